@@ -1,0 +1,201 @@
+"""Typed, validated run configuration.
+
+A run is described by one YAML file (see ``configs/demo.yaml``) plus dotted command-line
+overrides (``--set loss.margin=0.3``). Everything is validated on the driver, before Ray
+starts: unknown keys and bad values are all reported at once, each with its dotted path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message lists every problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    """Where the Parquet shards are and how they are streamed."""
+
+    path: Path = Field(Path("data/shapes"), description="dataset directory holding manifest.json")
+    train_split: str = "train"
+    val_split: str = "val"
+    augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
+    shuffle_buffer: int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
+    prefetch_batches: int = Field(2, ge=0)
+    seed: int = 0
+
+
+class ModelConfig(_Section):
+    """An open_clip architecture, randomly initialised or loaded from ``pretrained``."""
+
+    arch: str = "pairsim-tiny"
+    pretrained: str | None = Field(None, description="open_clip tag or local weights file")
+
+
+class LossConfig(_Section):
+    """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869)."""
+
+    name: Literal["unified"] = "unified"
+    margin: float = Field(0.2, ge=0.0, le=2.0, description="margin m")
+    gamma: float = Field(50.0, gt=0.0, le=1000.0, description="scale γ")
+    local_loss: bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warm-up then cosine decay, both run by DeepSpeed."""
+
+    lr: float = Field(5e-4, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = Field(1e-6, gt=0.0)
+    warmup_steps: int = Field(50, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="final LR as a share of lr")
+    grad_clip: float = Field(1.0, ge=0.0, description="global norm; 0 disables clipping")
+
+
+class TrainConfig(_Section):
+    """The distributed training loop."""
+
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    use_gpu: bool = False
+    epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(64, ge=2, description="rows per worker per step")
+    zero_stage: int = Field(2, ge=0, le=3)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    log_every_n_steps: int = Field(10, ge=1)
+    seed: int = 0
+
+
+class EvalConfig(_Section):
+    """Retrieval evaluation on the val split after each epoch."""
+
+    batch_size: int = Field(256, ge=1)
+    ks: tuple[int, ...] = (1, 5, 10)
+
+    @model_validator(mode="after")
+    def _positive_ks(self) -> EvalConfig:
+        if not self.ks or any(k < 1 for k in self.ks):
+            raise ValueError("ks must be a non-empty list of integers >= 1")
+        return self
+
+
+class TrackingConfig(_Section):
+    """MLflow: URI from here, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``."""
+
+    tracking_uri: str | None = None
+    experiment: str = "pairsim"
+
+
+class RayConfig(_Section):
+    """The Ray instance, the CPU split between Ray Data and the training workers, and storage."""
+
+    address: str | None = Field(None, description="None starts a local instance; 'auto' joins one")
+    data_cpus: float = Field(
+        2.0, gt=0.0, description="CPUs kept for Ray Data ingest beside the training workers"
+    )
+    storage_path: Path = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster)")
+    run_name: str | None = Field(
+        None, description="Ray Train run name; re-running with the same name resumes it"
+    )
+    max_failures: int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
+
+
+class RunConfig(_Section):
+    """Everything one training job needs."""
+
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    loss: LossConfig = LossConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    ray: RayConfig = RayConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted-key view, as logged to MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists."""
+    errors = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.margin=0.3")
+            continue
+        parts = key.strip().split(".")
+        node = tree
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                errors.append(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+                break
+            node = child
+        else:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    if errors:
+        raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
+    return tree
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown key")
+        else:
+            lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
+    return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML (or the defaults when ``path`` is None), apply overrides, validate.
+
+    Raises :class:`ConfigError` naming every bad or unknown dotted key at once.
+    """
+    tree: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        tree = loaded or {}
+    tree = apply_overrides(tree, overrides or [])
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None

@@ -1,0 +1,83 @@
+import pytest
+import yaml
+
+from pairsim.cli import main
+from pairsim.config import ConfigError, RunConfig, load_config
+
+
+def write(tmp_path, tree):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.flat()["loss.margin"] == 0.2
+
+
+def test_every_bad_field_is_reported_with_its_dotted_path(tmp_path):
+    path = write(tmp_path, {
+        "loss": {"margin": -1, "gamma": 0, "colour": "red"},
+        "train": {"zero_stage": 5, "precision": "fp8"},
+        "optim": {"lr": "fast"},
+        "bogus_section": {"x": 1},
+    })
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    for expected in ["loss.margin", "loss.gamma", "loss.colour: unknown key", "train.zero_stage",
+                     "train.precision", "optim.lr", "bogus_section: unknown key"]:
+        assert expected in message, (expected, message)
+    assert message.startswith("7 error(s)")
+
+
+def test_overrides_are_applied_and_parsed_as_yaml(tmp_path):
+    path = write(tmp_path, {"loss": {"margin": 0.1}})
+    cfg = load_config(path, ["loss.margin=0.3", "optim.betas=[0.8, 0.9]", "train.precision=bf16",
+                             "model.pretrained=weights.pt"])
+    assert cfg.loss.margin == 0.3
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.train.precision == "bf16"
+    assert cfg.model.pretrained == "weights.pt"
+
+
+def test_unknown_override_key_is_rejected():
+    with pytest.raises(ConfigError, match=r"loss\.magrin: unknown key"):
+        load_config(None, ["loss.magrin=0.3"])
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(None, ["loss.margin"])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cli_reports_config_errors_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    path = write(tmp_path, {"train": {"num_workers": 0}})
+    assert main(["train", "--config", str(path)]) == 2
+    assert "train.num_workers" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_missing_dataset_is_named_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    path = write(tmp_path, {"data": {"path": str(tmp_path / "no-such-dataset")}})
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "data.path" in err and "no-such-dataset" in err
+    assert not ray.is_initialized()
+
+
+def test_unknown_architecture_is_named(tmp_path, tiny_dataset, capsys):
+    path = write(tmp_path, {"data": {"path": str(tiny_dataset)}, "model": {"arch": "ViT-Nope"}})
+    assert main(["train", "--config", str(path)]) == 2
+    assert "model.arch" in capsys.readouterr().err
