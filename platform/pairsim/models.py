@@ -1,0 +1,92 @@
+"""open_clip models: any registered architecture by name, plus pairsim's own small ones.
+
+pairsim ships ``pairsim-tiny`` (64 px ViT, 3+3 layers, d=128) for tests and the demo; it is
+registered in open_clip's model registry on import, so ``open_clip.create_model_and_transforms(
+"pairsim-tiny", pretrained=<exported file>)`` works anywhere pairsim is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import open_clip
+import torch
+from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+
+from pairsim.config import ConfigError, ModelConfig
+
+BUILTIN_CONFIGS = Path(__file__).parent / "model_configs"
+SCALAR_PARAMS = {"logit_scale", "logit_bias"}  # 0-dim in open_clip models
+open_clip.add_model_config(BUILTIN_CONFIGS)
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    """Fail on the driver, naming the field, if the architecture or weights cannot be found."""
+    if open_clip.get_model_config(cfg.arch) is None:
+        raise ConfigError(f"model.arch: unknown open_clip architecture {cfg.arch!r}")
+    if cfg.pretrained and not os.path.isfile(cfg.pretrained):
+        tags = open_clip.list_pretrained_tags_by_model(cfg.arch)
+        if cfg.pretrained not in tags:
+            raise ConfigError(
+                f"model.pretrained: {cfg.pretrained!r} is neither a file nor an open_clip tag "
+                f"of {cfg.arch} (tags: {tags or 'none'})"
+            )
+
+
+def create_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The open_clip model, fp32 on CPU; DeepSpeed moves and casts it.
+
+    open_clip's scalar parameters (``logit_scale``, ``logit_bias``) become shape [1]: DeepSpeed
+    0.19 broadcasts parameters as byte views, which 0-dim tensors do not allow.
+    :func:`save_open_clip_weights` gives them back their scalar shape.
+    """
+    model = open_clip.create_model(cfg.arch, pretrained=cfg.pretrained, output_dict=True)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim == 0:
+                setattr(module, name, torch.nn.Parameter(param.detach().reshape(1), param.requires_grad))
+    return model
+
+
+def preprocess_cfg(cfg: ModelConfig) -> PreprocessCfg:
+    """The model's image preprocessing, derived as open_clip does, without building the model."""
+    model_cfg = open_clip.get_model_config(cfg.arch)
+    merged = merge_preprocess_dict(PreprocessCfg(size=model_cfg["vision_cfg"]["image_size"]),
+                                   model_cfg.get("preprocess_cfg", {}))
+    if cfg.pretrained and not os.path.isfile(cfg.pretrained):
+        merged = merge_preprocess_dict(merged, open_clip.get_pretrained_cfg(cfg.arch, cfg.pretrained))
+    return PreprocessCfg(**merged)
+
+
+def image_transforms(cfg: ModelConfig, augment: bool):
+    """(train, eval) torchvision transforms: open_clip's random-resized-crop train transform or
+    its resize + centre-crop eval transform, with the model's mean and std."""
+    pp = preprocess_cfg(cfg)
+    return image_transform_v2(pp, is_train=augment), image_transform_v2(pp, is_train=False)
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer(arch: str):
+    """The architecture's open_clip tokenizer, built once per process."""
+    return open_clip.get_tokenizer(arch)
+
+
+def encode(model: torch.nn.Module, pixels: torch.Tensor | None = None,
+           tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """L2-normalised image and text embeddings (either may be skipped)."""
+    image = model.encode_image(pixels, normalize=True) if pixels is not None else None
+    text = model.encode_text(tokens, normalize=True) if tokens is not None else None
+    return image, text
+
+
+def save_open_clip_weights(state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """Write fp32 weights that ``open_clip.create_model_and_transforms(arch, pretrained=path)`` loads."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().float().cpu().contiguous() for k, v in state_dict.items()}
+    for key in SCALAR_PARAMS & weights.keys():
+        weights[key] = weights[key].reshape(())
+    torch.save(weights, path)
+    return path
