@@ -1,0 +1,103 @@
+"""MLflow tracking: one MLflow run per training job, also across restarts.
+
+The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
+job is resumed) and logs the config; rank 0 of the workers logs curves, eval metrics and
+artifacts into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
+beside the database, as absolute paths, so workers in any directory write to the same place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.tracking import MlflowClient
+
+from pairsim.config import RunConfig
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+RUN_NAME_TAG = "pairsim.run_name"
+
+
+def resolve_tracking_uri(configured: str | None) -> str:
+    """Config, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; sqlite paths made absolute."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
+        uri = prefix + str(Path(uri[len(prefix):]).resolve())
+    return uri
+
+
+def metric_key(name: str) -> str:
+    """MLflow keys allow no '@': ``val/i2t_R@1`` is logged as ``val/i2t_R1``."""
+    return name.replace("@", "")
+
+
+def _artifact_location(uri: str) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    return None
+
+
+def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: dict[str, Any]) -> str:
+    """Create the job's MLflow run, or reopen the one a previous attempt of ``run_name`` made.
+
+    Logs the flattened config as params and the resolved config and DeepSpeed config as
+    artifacts. On resume, params the earlier attempt logged keep their values (MLflow forbids
+    changing them); the new config file is stored beside the first.
+    """
+    uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    experiment_id = (experiment.experiment_id if experiment else
+                     client.create_experiment(cfg.tracking.experiment, artifact_location=_artifact_location(uri)))
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
+    if found:
+        run = found[0]
+        client.update_run(run.info.run_id, status="RUNNING")
+        attempt = int(run.data.tags.get("pairsim.attempts", "1")) + 1
+        new_params = {k: v for k, v in cfg.flat().items() if k not in run.data.params}
+    else:
+        run = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name})
+        attempt, new_params = 1, cfg.flat()
+    run_id = run.info.run_id
+    client.set_tag(run_id, "pairsim.attempts", str(attempt))
+    client.log_batch(run_id, params=[_param(k, v) for k, v in new_params.items()])
+    with tempfile.TemporaryDirectory() as tmp:
+        name = "config.yaml" if attempt == 1 else f"config-attempt{attempt}.yaml"
+        (Path(tmp) / name).write_text(config_yaml)
+        (Path(tmp) / "deepspeed_config.json").write_text(json.dumps(deepspeed_config, indent=2))
+        client.log_artifacts(run_id, tmp)
+    return run_id
+
+
+def _param(key: str, value: Any) -> Param:
+    return Param(key, "None" if value is None else str(value))
+
+
+def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:
+    MlflowClient(resolve_tracking_uri(tracking_uri)).set_terminated(
+        run_id, RunStatus.to_string(RunStatus.FINISHED if succeeded else RunStatus.FAILED))
+
+
+class RunLogger:
+    """What rank 0 uses to write into the job's run."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.client, self.run_id = MlflowClient(tracking_uri), run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        self.client.log_dict(self.run_id, data, artifact_file)

@@ -1,0 +1,298 @@
+"""Distributed training: Ray Train ``TorchTrainer`` workers running a DeepSpeed engine.
+
+Driver (:func:`fit`): check data and model, start or join Ray, open the MLflow run, build the
+lazy Ray Data pipelines and launch the workers. Worker (:func:`train_loop_per_worker`): config
+in, metrics out — build the model and DeepSpeed engine, resume from the Ray Train checkpoint
+if there is one, then for each epoch train on the global batch, evaluate on val, and save a
+DeepSpeed checkpoint on every rank that Ray Train merges and keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from pairsim import data, evaluate, models, shards, tracking
+from pairsim.config import ConfigError, RunConfig
+from pairsim.losses import UnifiedLoss
+
+CHECKPOINT_TAG = "deepspeed"
+WEIGHTS_FILE = "open_clip_weights.pt"
+
+
+def steps_per_epoch(cfg: RunConfig) -> int:
+    """Global steps in one epoch over the train split (the last partial global batch is dropped)."""
+    images = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]["images"]
+    return images // (cfg.train.micro_batch_size * cfg.train.num_workers)
+
+
+def deepspeed_config(cfg: RunConfig, total_steps: int) -> dict[str, Any]:
+    """The DeepSpeed config of a run: ZeRO stage, precision, clipping, AdamW, warm-up + cosine LR.
+
+    Gradient accumulation stays 1: a contrastive loss over accumulated micro-batches is not the
+    loss over the larger batch (its negatives differ).
+    """
+    o = cfg.optim
+    return {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": o.grad_clip,
+        "zero_optimization": {"stage": cfg.train.zero_stage},
+        "bf16": {"enabled": cfg.train.precision == "bf16"},
+        "fp16": {"enabled": cfg.train.precision == "fp16"},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW on CPU; DeepSpeed's fused Adam on GPU
+            "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps, "weight_decay": o.weight_decay,
+                       "torch_adam": not cfg.train.use_gpu},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": o.warmup_steps,
+                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": o.min_lr_ratio},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on gains, biases, embeddings of position/class and other 1-D params (as open_clip)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        exclude = param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(param)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on rank 0 (None elsewhere); every rank must call it (ZeRO-3 gathers)."""
+    import deepspeed
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        if rank != 0:
+            return None
+        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
+
+
+def say(message: str) -> None:
+    """One line on the job's console (Ray Train V2's print patch would echo ``print`` twice)."""
+    print(f"[pairsim] {message}", file=sys.__stdout__, flush=True)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
+    """Image and caption embeddings of the eval split, computed on every rank.
+
+    Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
+    gathering in step; rank 0 uses the result.
+    """
+    images, image_ids, texts, text_ids = [], [], [], []
+    engine.eval()
+    with torch.no_grad():
+        for batch in ray.train.get_dataset_shard("val_images").iter_batches(
+                batch_size=cfg.eval.batch_size, batch_format="numpy"):
+            if len(batch["image_id"]):
+                pixels = torch.from_numpy(batch["pixels"]).to(engine.device, dtype)
+                images.append(engine(image=pixels)["image_features"].float().cpu())
+                image_ids.append(batch["image_id"])
+        for batch in ray.train.get_dataset_shard("val_texts").iter_batches(
+                batch_size=cfg.eval.batch_size, batch_format="numpy"):
+            tokens = torch.from_numpy(batch["tokens"]).to(engine.device)
+            texts.append(engine(text=tokens)["text_features"].float().cpu())
+            text_ids.append(batch["image_id"])
+    engine.train()
+    return torch.cat(images), np.concatenate(image_ids), torch.cat(texts), np.concatenate(text_ids)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    import deepspeed  # imported in the worker only (ray #50406)
+
+    cfg = RunConfig.model_validate(loop_config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(cfg.train.seed)
+
+    model = models.create_model(cfg.model)
+    model.logit_scale.requires_grad_(False)  # the Unified loss has its own fixed scale γ
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=parameter_groups(model, cfg.optim.weight_decay),
+        config=loop_config["deepspeed_config"])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    loss_fn = UnifiedLoss(cfg.loss.margin, cfg.loss.gamma, local_loss=cfg.loss.local_loss,
+                          rank=rank, world_size=world)
+
+    start_epoch, step = 0, 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as ckpt_dir:
+            _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
+            dist.barrier()
+        start_epoch, step = client_state["epoch"] + 1, client_state["global_step"]
+        if engine.global_steps != step:
+            raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, pairsim step {step}")
+        if rank == 0:
+            say(f"resumed from checkpoint: epoch {start_epoch}, step {step}")
+
+    logger = tracking.RunLogger(loop_config["tracking_uri"], loop_config["run_id"]) if rank == 0 else None
+    ledger = ray.get_actor(loop_config["ledger"])
+    train_shard = ray.train.get_dataset_shard("train")
+    per_epoch = loop_config["steps_per_epoch"]
+
+    for epoch in range(start_epoch, cfg.train.epochs):
+        batches = train_shard.iter_torch_batches(
+            batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
+        wait = compute = 0.0
+        epoch_steps, window_steps, window_start = 0, 0, time.perf_counter()
+        t0 = time.perf_counter()
+        for batch in data.equal_steps(batches):
+            t1 = time.perf_counter()
+            out = engine(image=batch["pixels"].to(engine.device, dtype), text=batch["tokens"].to(engine.device))
+            loss = loss_fn(out["image_features"], out["text_features"])
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch} step {step + 1}; stopping")
+            engine.backward(loss)
+            engine.step()
+            step, epoch_steps, window_steps = step + 1, epoch_steps + 1, window_steps + 1
+            t2 = time.perf_counter()
+            wait, compute, t0 = wait + (t1 - t0), compute + (t2 - t1), t2
+            if step % cfg.train.log_every_n_steps == 0:
+                mean_loss = _mean_over_ranks(loss)
+                if rank == 0:
+                    rate = window_steps * cfg.train.micro_batch_size * world / (t2 - window_start)
+                    lr = engine.get_lr()[0]
+                    logger.log_metrics({"train/loss": mean_loss, "train/lr": lr, "train/samples_per_s": rate,
+                                        "train/epoch": epoch + epoch_steps / max(per_epoch, 1)}, step)
+                    say(f"epoch {epoch + 1}/{cfg.train.epochs} step {step} "
+                          f"loss {mean_loss:.4f} lr {lr:.2e} {rate:.0f} samples/s")
+                window_start, window_steps = t2, 0
+
+        image_emb, image_ids, text_emb, text_ids = embed_split(engine, cfg, dtype)
+        metrics = {"epoch": epoch + 1, "step": step}
+        if rank == 0:
+            val = evaluate.image_text_retrieval(image_emb, image_ids, text_emb, text_ids, cfg.eval.ks)
+            skipped = ray.get(ledger.get.remote())
+            metrics |= {f"val/{k}": v for k, v in val.items()}
+            metrics |= {"data/skipped_images": len(skipped),
+                        "perf/data_wait_share": wait / max(wait + compute, 1e-9)}
+            logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step)
+            if skipped:
+                logger.log_dict(skipped, "data/skipped_images.json")
+            say("epoch {} val: {}".format(
+                epoch + 1, "  ".join(f"{k}={v:.2f}" for k, v in val.items())))
+
+        with tempfile.TemporaryDirectory() as ckpt_dir:
+            engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
+            dist.barrier()
+            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir))
+
+    state = full_state_dict(engine)
+    if rank == 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = models.save_open_clip_weights(state, Path(tmp) / WEIGHTS_FILE)
+            logger.log_artifact(path, "model")
+
+
+@dataclass
+class TrainResult:
+    run_name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+
+
+def check_ready(cfg: RunConfig) -> None:
+    """Everything that can be checked before the cluster is touched."""
+    models.check_model_config(cfg.model)
+    try:
+        for split in (cfg.data.train_split, cfg.data.val_split):
+            shards.split_files(cfg.data.path, split)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"data.path: {exc}") from None
+    if steps_per_epoch(cfg) < 1:
+        raise ConfigError(
+            f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers is larger "
+            f"than the {cfg.data.train_split} split of {cfg.data.path}")
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join ``ray.address``, or start a local instance sized workers × CPUs + ``ray.data_cpus``.
+
+    Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
+    keeps ingest running beside them (logical CPUs: they may exceed the cores)."""
+    if ray.is_initialized():
+        return
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address)
+    else:
+        cpus = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus)
+        ray.init(num_cpus=cpus)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def fit(cfg: RunConfig) -> TrainResult:
+    check_ready(cfg)
+    run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
+    per_epoch = steps_per_epoch(cfg)
+    ds_config = deepspeed_config(cfg, per_epoch * cfg.train.epochs)
+    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
+    init_ray(cfg)
+
+    ledger_name = f"pairsim-skips-{run_name}"
+    ledger = data.skip_ledger(ledger_name)
+    datasets = {
+        "train": data.train_dataset(cfg, ledger_name),
+        "val_images": data.eval_images(cfg, cfg.data.val_split, ledger_name),
+        "val_texts": data.eval_texts(cfg, cfg.data.val_split),
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.model_dump(mode="json"), "deepspeed_config": ds_config,
+                           "steps_per_epoch": per_epoch, "run_id": run_id, "tracking_uri": tracking_uri,
+                           "ledger": ledger_name},
+        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=run_name, storage_path=str(Path(cfg.ray.storage_path).resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures)),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    )
+    succeeded = False
+    try:
+        result = trainer.fit()
+        succeeded = True
+    finally:
+        tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
+        ray.kill(ledger)
+    return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
+                       result.checkpoint.path if result.checkpoint else None)

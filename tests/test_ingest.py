@@ -1,0 +1,97 @@
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pairsim import data, shards
+from pairsim.config import RunConfig
+
+
+def _equal_steps_worker(rank, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mine = [torch.full((2,), i) for i in range(3 if rank == 0 else 5)]  # deliberately uneven
+    seen = []
+    for batch in data.equal_steps(mine):
+        dist.all_reduce(batch.clone())  # a collective per step, as training does: would hang if counts differed
+        seen.append(int(batch[0]))
+    out.put((rank, seen))
+    dist.destroy_process_group()
+
+
+def test_equal_steps_stops_every_rank_with_the_shortest():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_equal_steps_worker, args=(r, 29731, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert results == {0: [0, 1, 2], 1: [0, 1, 2]}
+
+
+@pytest.fixture(scope="module")
+def dataset_with_bad_images(tiny_dataset, tmp_path_factory):
+    """The tiny dataset with 3 undecodable images in its last (56-row) train shard."""
+    root = tmp_path_factory.mktemp("bad") / "shapes"
+    shutil.copytree(tiny_dataset, root)
+    last = sorted((root / "train").glob("*.parquet"))[-1]
+    rows = pq.read_table(last).to_pylist()
+    rows[0]["image"] = b"not an image"
+    rows[1]["image"] = rows[1]["image"][:40]  # truncated PNG
+    rows[2]["image"] = b""
+    pq.write_table(pq.read_table(last).from_pylist(rows, schema=shards.SHARD_SCHEMA), last)
+    bad = {rows[i]["image_id"] for i in range(3)}
+    return root, bad
+
+
+def _count_batches(config):
+    import ray.train
+
+    cfg = RunConfig.model_validate(config["cfg"])
+    shard = ray.train.get_dataset_shard("train")
+    counts = []
+    for _ in range(2):  # two epochs
+        batches = shard.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
+                                           local_shuffle_buffer_size=cfg.data.shuffle_buffer)
+        n = 0
+        for batch in data.equal_steps(batches):
+            assert batch["pixels"].shape == (cfg.train.micro_batch_size, 3, 64, 64)
+            assert batch["tokens"].shape == (cfg.train.micro_batch_size, 32)
+            n += 1
+        counts.append(n)
+    rank = ray.train.get_context().get_world_rank()
+    with open(f"{config['out']}/rank{rank}.json", "w") as f:
+        json.dump(counts, f)
+
+
+@pytest.mark.slow
+def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance, dataset_with_bad_images,
+                                                                    tmp_path):
+    import ray
+    from ray.train import DataConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    root, bad = dataset_with_bad_images
+    cfg = RunConfig.model_validate({"data": {"path": str(root), "shuffle_buffer": 40},
+                                    "train": {"micro_batch_size": 16}})
+    ledger = data.skip_ledger("test-ledger")
+    trainer = TorchTrainer(
+        _count_batches, train_loop_config={"cfg": cfg.model_dump(mode="json"), "out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray")),
+        datasets={"train": data.train_dataset(cfg, "test-ledger")},
+        dataset_config=DataConfig(datasets_to_split=["train"]))
+    trainer.fit()
+    counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert counts[0] == counts[1], counts
+    # 253 decodable rows split equally: 126 per rank → 7 full batches of 16 each epoch
+    assert counts[0] == [7, 7]
+    skipped = ray.get(ledger.get.remote())
+    assert set(skipped) == bad
+    assert all(reason for reason in skipped.values())
+    ray.kill(ledger)

@@ -1,0 +1,104 @@
+"""End-to-end: real Ray Train workers, DeepSpeed engines, Ray Data ingest and an MLflow store."""
+
+from pathlib import Path
+
+import open_clip
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from pairsim import train
+from pairsim.cli import DEMO_CONFIG
+from pairsim.config import load_config
+
+pytestmark = pytest.mark.slow
+STEPS_PER_EPOCH = 256 // (32 * 2)
+
+
+def overrides(dataset, work, *extra):
+    return [f"data.path={dataset}", "train.micro_batch_size=32", "train.log_every_n_steps=2",
+            "optim.warmup_steps=2", "optim.lr=2e-3", "eval.batch_size=64",
+            f"tracking.tracking_uri=sqlite:///{work}/mlflow.db", f"ray.storage_path={work}/ray", *extra]
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
+    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed for a 4th."""
+    work = tmp_path_factory.mktemp("zero2")
+    first = train.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3")))
+    resumed = train.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4")))
+    return first, resumed, MlflowClient(first.tracking_uri)
+
+
+def history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def artifact_file(client, run_id, path) -> Path:
+    return Path(client.get_run(run_id).info.artifact_uri.removeprefix("file://")) / path
+
+
+def test_loss_goes_down(zero2_runs):
+    first, _, client = zero2_runs
+    losses = [v for step, v in history(client, first.mlflow_run_id, "train/loss") if step <= 3 * STEPS_PER_EPOCH]
+    assert len(losses) == 6
+    assert sum(losses[-2:]) / 2 < 0.9 * sum(losses[:2]) / 2, losses
+
+
+def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs):
+    first, resumed, client = zero2_runs
+    run = client.get_run(first.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["train.zero_stage"] == "2" and params["train.num_workers"] == "2"
+    assert params["loss.name"] == "unified" and params["loss.margin"] == "0.1" and params["loss.gamma"] == "20.0"
+    assert params["data.path"].endswith("shapes0")
+    for key in ["train/loss", "train/lr", "train/samples_per_s", "val/i2t_R1", "val/i2t_R5", "val/i2t_R10",
+                "val/t2i_R1", "val/t2i_R5", "val/t2i_R10", "val/rsum", "data/skipped_images"]:
+        assert key in run.data.metrics, key
+    assert run.data.metrics["data/skipped_images"] == 0
+    # eval metrics once per epoch, at the epoch's last step
+    assert [s for s, _ in history(client, first.mlflow_run_id, "val/rsum")] == [4, 8, 12, 16]
+    artifacts = {a.path for a in client.list_artifacts(first.mlflow_run_id)}
+    assert {"config.yaml", "config-attempt2.yaml", "deepspeed_config.json", "model"} <= artifacts
+    assert load_config(artifact_file(client, first.mlflow_run_id, "config.yaml")).train.epochs == 3
+
+
+def test_saved_weights_load_back_into_open_clip(zero2_runs):
+    _, resumed, client = zero2_runs
+    weights = artifact_file(client, resumed.mlflow_run_id, "model/open_clip_weights.pt")
+    model, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(weights))
+    # the exported weights are the final DeepSpeed checkpoint's
+    module = torch.load(Path(resumed.checkpoint_path) / "deepspeed" / "mp_rank_00_model_states.pt",
+                        map_location="cpu", weights_only=False)["module"]
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, module[name].reshape(tensor.shape), msg=name)
+
+
+def test_resumed_run_continues_at_the_next_step_with_its_optimizer_state(zero2_runs):
+    first, resumed, client = zero2_runs
+    assert resumed.mlflow_run_id == first.mlflow_run_id  # one MLflow run across restarts
+    assert client.get_run(first.mlflow_run_id).data.tags["pairsim.attempts"] == "2"
+    assert first.metrics["step"] == 3 * STEPS_PER_EPOCH and resumed.metrics["step"] == 4 * STEPS_PER_EPOCH
+    steps = [s for s, _ in history(client, first.mlflow_run_id, "train/loss")]
+    assert steps == list(range(2, 4 * STEPS_PER_EPOCH + 1, 2))  # no step repeated or skipped
+    ckpt = Path(resumed.checkpoint_path) / "deepspeed"
+    states = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert states["global_steps"] == 4 * STEPS_PER_EPOCH
+    assert states["lr_scheduler"]["last_batch_iteration"] == 4 * STEPS_PER_EPOCH - 1
+    for rank in range(2):
+        optim = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", map_location="cpu",
+                           weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        # a fresh optimizer would have counted only the 4 steps since the restart
+        assert {int(s["step"]) for s in optim.values()} == {4 * STEPS_PER_EPOCH}
+
+
+def test_zero3_bf16_run_trains_and_exports(ray_instance, tiny_dataset, tmp_path):
+    result = train.fit(load_config(DEMO_CONFIG, overrides(
+        tiny_dataset, tmp_path, "train.epochs=1", "train.zero_stage=3", "train.precision=bf16")))
+    client = MlflowClient(result.tracking_uri)
+    losses = [v for _, v in history(client, result.mlflow_run_id, "train/loss")]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    weights = artifact_file(client, result.mlflow_run_id, "model/open_clip_weights.pt")
+    model, _, _ = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(weights))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
