@@ -15,9 +15,12 @@ def tiny_dataset(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def ray_instance():
-    """One local Ray instance for the session's end-to-end tests (2 workers + 2 CPUs for Data)."""
+    """One local Ray instance for the session's end-to-end tests (2 workers + 2 CPUs for Data).
+
+    Ray workers get this directory on their path, so training functions defined in test
+    modules unpickle there."""
     import ray
 
-    ray.init(num_cpus=4)
+    ray.init(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     yield ray
     ray.shutdown()

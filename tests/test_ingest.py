@@ -1,6 +1,7 @@
 import json
 import shutil
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -36,17 +37,18 @@ def test_equal_steps_stops_every_rank_with_the_shortest():
 
 @pytest.fixture(scope="module")
 def dataset_with_bad_images(tiny_dataset, tmp_path_factory):
-    """The tiny dataset with 3 undecodable images in its last (56-row) train shard."""
+    """The tiny dataset with its last (56-row) train shard opening with 18 undecodable images:
+    garbage, a truncated PNG, empty bytes — more than a whole 16-row batch."""
     root = tmp_path_factory.mktemp("bad") / "shapes"
     shutil.copytree(tiny_dataset, root)
     last = sorted((root / "train").glob("*.parquet"))[-1]
     rows = pq.read_table(last).to_pylist()
-    rows[0]["image"] = b"not an image"
-    rows[1]["image"] = rows[1]["image"][:40]  # truncated PNG
+    for row in rows[:18]:
+        row["image"] = b"not an image"
+    rows[1]["image"] = rows[30]["image"][:40]  # truncated PNG
     rows[2]["image"] = b""
-    pq.write_table(pq.read_table(last).from_pylist(rows, schema=shards.SHARD_SCHEMA), last)
-    bad = {rows[i]["image_id"] for i in range(3)}
-    return root, bad
+    pq.write_table(pa.Table.from_pylist(rows, schema=shards.SHARD_SCHEMA), last)
+    return root, {row["image_id"] for row in rows[:18]}
 
 
 def _count_batches(config):
@@ -89,7 +91,7 @@ def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance,
     trainer.fit()
     counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert counts[0] == counts[1], counts
-    # 253 decodable rows split equally: 126 per rank → 7 full batches of 16 each epoch
+    # 238 decodable rows split equally: 119 per rank → 7 full batches of 16 each epoch
     assert counts[0] == [7, 7]
     skipped = ray.get(ledger.get.remote())
     assert set(skipped) == bad

@@ -46,8 +46,8 @@ def skip_ledger(name: str):
 class DecodeImages:
     """Decode encoded images to the model's input tensor ([3, H, W] float32), dropping bad ones."""
 
-    def __init__(self, transform, ledger_name: str):
-        self.transform, self.ledger_name = transform, ledger_name
+    def __init__(self, transform, input_size: tuple[int, int, int], ledger_name: str):
+        self.transform, self.input_size, self.ledger_name = transform, input_size, ledger_name
 
     def __call__(self, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(pixels of the good rows, indices of the good rows)."""
@@ -62,15 +62,15 @@ class DecodeImages:
         if skipped:
             ray.get(ray.get_actor(self.ledger_name).add.remote(skipped))
         if not pixels:
-            return np.zeros((0, 0, 0, 0), np.float32), np.zeros(0, np.int64)
+            return np.zeros((0, *self.input_size), np.float32), np.zeros(0, np.int64)
         return np.stack(pixels), np.asarray(keep, dtype=np.int64)
 
 
 class TrainPreprocess:
     """One training pair per image: augmented pixels and one caption drawn at random, tokenized."""
 
-    def __init__(self, transform, arch: str, ledger_name: str):
-        self.decode, self.arch = DecodeImages(transform, ledger_name), arch
+    def __init__(self, decode: DecodeImages, arch: str):
+        self.decode, self.arch = decode, arch
         self.rng = np.random.default_rng()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -80,8 +80,8 @@ class TrainPreprocess:
 
 
 class EvalImages:
-    def __init__(self, transform, ledger_name: str):
-        self.decode = DecodeImages(transform, ledger_name)
+    def __init__(self, decode: DecodeImages):
+        self.decode = decode
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         pixels, keep = self.decode(batch)
@@ -105,17 +105,22 @@ def _read(cfg: RunConfig, split: str, columns: list[str], shuffle_files: bool = 
     return ray.data.read_parquet(files, columns=columns, shuffle="files" if shuffle_files else None)
 
 
+def _decoder(cfg: RunConfig, train: bool, ledger_name: str) -> DecodeImages:
+    train_tf, eval_tf = models.image_transforms(cfg.model, augment=cfg.data.augment)
+    input_size = models.preprocess_cfg(cfg.model).input_size
+    return DecodeImages(train_tf if train else eval_tf, input_size, ledger_name)
+
+
 def train_dataset(cfg: RunConfig, ledger_name: str) -> ray.data.Dataset:
-    train_tf, _ = models.image_transforms(cfg.model, augment=cfg.data.augment)
     ds = _read(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_files=True)
-    return ds.map_batches(TrainPreprocess(train_tf, cfg.model.arch, ledger_name),
+    return ds.map_batches(TrainPreprocess(_decoder(cfg, True, ledger_name), cfg.model.arch),
                           batch_size=cfg.train.micro_batch_size, batch_format="numpy")
 
 
 def eval_images(cfg: RunConfig, split: str, ledger_name: str) -> ray.data.Dataset:
-    _, eval_tf = models.image_transforms(cfg.model, augment=False)
     ds = _read(cfg, split, ["image", "image_id"])
-    return ds.map_batches(EvalImages(eval_tf, ledger_name), batch_size=cfg.eval.batch_size, batch_format="numpy")
+    return ds.map_batches(EvalImages(_decoder(cfg, False, ledger_name)), batch_size=cfg.eval.batch_size,
+                          batch_format="numpy")
 
 
 def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:

@@ -204,6 +204,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step)
             if skipped:
                 logger.log_dict(skipped, "data/skipped_images.json")
+                say(f"skipped {len(skipped)} unreadable images so far, e.g. {next(iter(skipped.items()))}; "
+                    "all are listed in the run's data/skipped_images.json")
             say("epoch {} val: {}".format(
                 epoch + 1, "  ".join(f"{k}={v:.2f}" for k, v in val.items())))
 
