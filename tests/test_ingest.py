@@ -1,6 +1,7 @@
 import json
 import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -97,3 +98,16 @@ def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance,
     assert set(skipped) == bad
     assert all(reason for reason in skipped.values())
     ray.kill(ledger)
+
+
+def test_caption_draws_differ_between_the_copies_ray_ships_to_tasks(tiny_dataset):
+    import pickle
+
+    cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)}})
+    preprocess = data.TrainPreprocess(data._decoder(cfg, True, "unused-ledger"), cfg.model.arch)
+    batch = pq.read_table(shards.split_files(tiny_dataset, "train")[0]).slice(0, 32).to_pydict()
+    batch = {k: np.asarray(v, dtype=object) for k, v in batch.items()}
+    draws = [pickle.loads(pickle.dumps(preprocess))(batch)["tokens"] for _ in range(2)]
+    assert draws[0].shape == (32, 32)
+    # 32 images × 5 captions: two independent draws agree on every image with chance 5^-32
+    assert not np.array_equal(draws[0], draws[1])

@@ -67,15 +67,19 @@ class DecodeImages:
 
 
 class TrainPreprocess:
-    """One training pair per image: augmented pixels and one caption drawn at random, tokenized."""
+    """One training pair per image: augmented pixels and one caption drawn at random, tokenized.
+
+    The generator is made per call: Ray ships a pickled copy of this object to every task, so a
+    generator made once would replay the same draws in every batch and epoch.
+    """
 
     def __init__(self, decode: DecodeImages, arch: str):
         self.decode, self.arch = decode, arch
-        self.rng = np.random.default_rng()
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         pixels, keep = self.decode(batch)
-        captions = [str(caps[self.rng.integers(len(caps))]) for caps in batch["captions"][keep]]
+        rng = np.random.default_rng()
+        captions = [str(caps[rng.integers(len(caps))]) for caps in batch["captions"][keep]]
         return {"pixels": pixels, "tokens": models.tokenizer(self.arch)(captions).numpy()}
 
 
