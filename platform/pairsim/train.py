@@ -130,6 +130,66 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
     return torch.cat(images), np.concatenate(image_ids), torch.cat(texts), np.concatenate(text_ids)
 
 
+class StepTimer:
+    """Time spent waiting for data vs computing, and samples/s over the current logging window."""
+
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step = samples_per_step
+        self.wait = self.compute = 0.0
+        self.last = self.window_start = time.perf_counter()
+        self.window_steps = 0
+
+    def batch_ready(self) -> None:
+        now = time.perf_counter()
+        self.wait, self.last = self.wait + now - self.last, now
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.compute, self.last = self.compute + now - self.last, now
+        self.window_steps += 1
+
+    def window_rate(self) -> float:
+        """samples/s since the last call, which starts a new window."""
+        rate = self.window_steps * self.samples_per_step / (self.last - self.window_start)
+        self.window_start, self.window_steps = self.last, 0
+        return rate
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait / max(self.wait + self.compute, 1e-9)
+
+
+def restore(engine) -> tuple[int, int]:
+    """(first epoch to run, global step) from Ray Train's latest checkpoint, or (0, 0)."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return 0, 0
+    with checkpoint.as_directory() as ckpt_dir:
+        _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
+        dist.barrier()
+    if engine.global_steps != client_state["global_step"]:
+        raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, "
+                           f"pairsim step {client_state['global_step']}")
+    return client_state["epoch"] + 1, client_state["global_step"]
+
+
+def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, logger, step: int) -> dict[str, float]:
+    """Val retrieval metrics and the skipped-image count, logged on rank 0 ({} on other ranks)."""
+    image_emb, image_ids, text_emb, text_ids = embed_split(engine, cfg, dtype)
+    if logger is None:
+        return {}
+    metrics = {f"val/{k}": v for k, v in
+               evaluate.image_text_retrieval(image_emb, image_ids, text_emb, text_ids, cfg.eval.ks).items()}
+    skipped = ray.get(ledger.get.remote())
+    metrics["data/skipped_images"] = len(skipped)
+    if skipped:
+        logger.log_dict(skipped, "data/skipped_images.json")
+        say(f"skipped {len(skipped)} unreadable images so far, e.g. {next(iter(skipped.items()))}; "
+            "all are listed in the run's data/skipped_images.json")
+    logger.log_metrics(metrics, step)
+    return metrics
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import deepspeed  # imported in the worker only (ray #50406)
 
@@ -146,18 +206,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
     loss_fn = UnifiedLoss(cfg.loss.margin, cfg.loss.gamma, local_loss=cfg.loss.local_loss,
                           rank=rank, world_size=world)
-
-    start_epoch, step = 0, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as ckpt_dir:
-            _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
-            dist.barrier()
-        start_epoch, step = client_state["epoch"] + 1, client_state["global_step"]
-        if engine.global_steps != step:
-            raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, pairsim step {step}")
-        if rank == 0:
-            say(f"resumed from checkpoint: epoch {start_epoch}, step {step}")
+    start_epoch, step = restore(engine)
+    if rank == 0 and step:
+        say(f"resumed from checkpoint: epoch {start_epoch + 1}, step {step}")
 
     logger = tracking.RunLogger(loop_config["tracking_uri"], loop_config["run_id"]) if rank == 0 else None
     ledger = ray.get_actor(loop_config["ledger"])
@@ -168,54 +219,38 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         batches = train_shard.iter_torch_batches(
             batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
             local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
-        wait = compute = 0.0
-        epoch_steps, window_steps, window_start = 0, 0, time.perf_counter()
-        t0 = time.perf_counter()
-        for batch in data.equal_steps(batches):
-            t1 = time.perf_counter()
+        timer = StepTimer(cfg.train.micro_batch_size * world)
+        for epoch_step, batch in enumerate(data.equal_steps(batches), start=1):
+            timer.batch_ready()
             out = engine(image=batch["pixels"].to(engine.device, dtype), text=batch["tokens"].to(engine.device))
             loss = loss_fn(out["image_features"], out["text_features"])
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch} step {step + 1}; stopping")
+                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1} step {step + 1}; stopping")
             engine.backward(loss)
             engine.step()
-            step, epoch_steps, window_steps = step + 1, epoch_steps + 1, window_steps + 1
-            t2 = time.perf_counter()
-            wait, compute, t0 = wait + (t1 - t0), compute + (t2 - t1), t2
+            step += 1
+            timer.step_done()
             if step % cfg.train.log_every_n_steps == 0:
-                mean_loss = _mean_over_ranks(loss)
-                if rank == 0:
-                    rate = window_steps * cfg.train.micro_batch_size * world / (t2 - window_start)
+                mean_loss, rate = _mean_over_ranks(loss), timer.window_rate()
+                if logger:
                     lr = engine.get_lr()[0]
                     logger.log_metrics({"train/loss": mean_loss, "train/lr": lr, "train/samples_per_s": rate,
-                                        "train/epoch": epoch + epoch_steps / max(per_epoch, 1)}, step)
+                                        "train/epoch": epoch + epoch_step / max(per_epoch, 1)}, step)
                     say(f"epoch {epoch + 1}/{cfg.train.epochs} step {step} "
-                          f"loss {mean_loss:.4f} lr {lr:.2e} {rate:.0f} samples/s")
-                window_start, window_steps = t2, 0
+                        f"loss {mean_loss:.4f} lr {lr:.2e} {rate:.0f} samples/s")
 
-        image_emb, image_ids, text_emb, text_ids = embed_split(engine, cfg, dtype)
-        metrics = {"epoch": epoch + 1, "step": step}
-        if rank == 0:
-            val = evaluate.image_text_retrieval(image_emb, image_ids, text_emb, text_ids, cfg.eval.ks)
-            skipped = ray.get(ledger.get.remote())
-            metrics |= {f"val/{k}": v for k, v in val.items()}
-            metrics |= {"data/skipped_images": len(skipped),
-                        "perf/data_wait_share": wait / max(wait + compute, 1e-9)}
-            logger.log_metrics({k: v for k, v in metrics.items() if k not in ("epoch", "step")}, step)
-            if skipped:
-                logger.log_dict(skipped, "data/skipped_images.json")
-                say(f"skipped {len(skipped)} unreadable images so far, e.g. {next(iter(skipped.items()))}; "
-                    "all are listed in the run's data/skipped_images.json")
-            say("epoch {} val: {}".format(
-                epoch + 1, "  ".join(f"{k}={v:.2f}" for k, v in val.items())))
-
+        metrics = validate(engine, cfg, dtype, ledger, logger, step)
+        if logger:
+            logger.log_metrics({"perf/data_wait_share": timer.wait_share}, step)
+            say(f"epoch {epoch + 1} " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
         with tempfile.TemporaryDirectory() as ckpt_dir:
             engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
             dist.barrier()
-            ray.train.report(metrics, checkpoint=Checkpoint.from_directory(ckpt_dir))
+            ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
+                             checkpoint=Checkpoint.from_directory(ckpt_dir))
 
     state = full_state_dict(engine)
-    if rank == 0:
+    if logger:
         with tempfile.TemporaryDirectory() as tmp:
             path = models.save_open_clip_weights(state, Path(tmp) / WEIGHTS_FILE)
             logger.log_artifact(path, "model")
