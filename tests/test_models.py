@@ -1,0 +1,39 @@
+import open_clip
+import pytest
+import torch
+
+from pairsim import models
+from pairsim.config import ConfigError, ModelConfig
+
+
+def test_exported_weights_are_a_pretrained_file_for_both_open_clip_and_pairsim(tmp_path):
+    torch.manual_seed(0)
+    source = models.create_model(ModelConfig())
+    path = models.save_open_clip_weights(source.state_dict(), tmp_path / "w.pt")
+    assert torch.load(path)["logit_scale"].shape == ()  # open_clip's own scalar shape
+
+    reloaded = models.create_model(ModelConfig(pretrained=str(path)))
+    plain, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(path))
+    pixels = torch.randn(2, 3, 64, 64)
+    tokens = models.tokenizer("pairsim-tiny")(["a red circle", "a blue square above a green cross"])
+    with torch.no_grad():
+        expected = models.encode(source.eval(), pixels, tokens)
+        for model in (reloaded.eval(), plain.eval()):
+            for got, want in zip(models.encode(model, pixels, tokens), expected):
+                torch.testing.assert_close(got, want)
+
+
+def test_unknown_arch_and_missing_weights_name_their_field(tmp_path):
+    with pytest.raises(ConfigError, match="model.arch"):
+        models.check_model_config(ModelConfig(arch="ViT-Nope"))
+    with pytest.raises(ConfigError, match="model.pretrained"):
+        models.check_model_config(ModelConfig(pretrained=str(tmp_path / "missing.pt")))
+    models.check_model_config(ModelConfig(arch="ViT-B-32", pretrained="openai"))  # a known tag passes
+
+
+def test_train_transform_matches_the_model_input():
+    train_tf, eval_tf = models.image_transforms(ModelConfig(), augment=True)
+    from PIL import Image
+
+    image = Image.new("RGB", (100, 80), (200, 30, 30))
+    assert train_tf(image).shape == eval_tf(image).shape == models.preprocess_cfg(ModelConfig()).input_size
