@@ -1,3 +1,8 @@
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,3 +29,31 @@ def ray_instance():
     ray.init(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback with proxied artifacts; yields its tracking URI."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts"),
+         "--workers", "1"],
+        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+            time.sleep(1)
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
