@@ -10,6 +10,18 @@ import pytest
 from pairsim import synth
 
 
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on, for a test's own process group or server."""
+    return unused_port()
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """256 train / 48 val shapes scenes at 64 px, in uneven shards (100, 100, 56 rows)."""
@@ -35,9 +47,7 @@ def ray_instance():
 def mlflow_server(tmp_path_factory):
     """A real `mlflow server` on loopback with proxied artifacts; yields its tracking URI."""
     root = tmp_path_factory.mktemp("mlflow-server")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = unused_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts"),

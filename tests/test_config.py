@@ -43,6 +43,11 @@ def test_overrides_are_applied_and_parsed_as_yaml(tmp_path):
     assert cfg.model.pretrained == "weights.pt"
 
 
+def test_run_name_must_be_usable_as_a_directory_name():
+    with pytest.raises(ConfigError, match="ray.run_name"):
+        load_config(None, ["ray.run_name=it's/mine"])
+
+
 def test_unknown_override_key_is_rejected():
     with pytest.raises(ConfigError, match=r"loss\.magrin: unknown key"):
         load_config(None, ["loss.magrin=0.3"])

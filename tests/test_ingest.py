@@ -21,13 +21,14 @@ def _equal_steps_worker(rank, port, out):
         dist.all_reduce(batch.clone())  # a collective per step, as training does: would hang if counts differed
         seen.append(int(batch[0]))
     out.put((rank, seen))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 
-def test_equal_steps_stops_every_rank_with_the_shortest():
+def test_equal_steps_stops_every_rank_with_the_shortest(free_port):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_equal_steps_worker, args=(r, 29731, out)) for r in range(2)]
+    procs = [ctx.Process(target=_equal_steps_worker, args=(r, free_port, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=60) for _ in procs)

@@ -78,11 +78,12 @@ def _worker(rank, world, port, image, text, local_loss, out):
     dist.all_gather(all_grads, grads)
     if rank == 0:
         out.put((torch.stack(losses).mean().item(), torch.cat(all_grads).numpy()))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("local_loss", [False, True])
-def test_two_processes_match_one_process(local_loss):
+def test_two_processes_match_one_process(local_loss, free_port):
     """Float32, 2 gloo ranks with B/2 each vs one process with B: same loss and gradients."""
     torch.manual_seed(0)
     image, text = torch.randn(16, 8), torch.randn(16, 8)
@@ -93,8 +94,7 @@ def test_two_processes_match_one_process(local_loss):
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = 29500 + (1 if local_loss else 0) + (torch.randint(0, 2000, ()).item() * 2)
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, image, text, local_loss, out)) for r in range(2)]
+    procs = [ctx.Process(target=_worker, args=(r, 2, free_port, image, text, local_loss, out)) for r in range(2)]
     for p in procs:
         p.start()
     loss, grads = out.get(timeout=120)

@@ -86,7 +86,8 @@ def test_saved_weights_load_back_into_open_clip(zero2_runs):
 def test_resumed_run_continues_at_the_next_step_with_its_optimizer_state(zero2_runs):
     first, resumed, client = zero2_runs
     assert resumed.mlflow_run_id == first.mlflow_run_id  # one MLflow run across restarts
-    assert client.get_run(first.mlflow_run_id).data.tags["pairsim.attempts"] == "2"
+    tags = client.get_run(first.mlflow_run_id).data.tags
+    assert tags["pairsim.attempts"] == "2" and tags["pairsim.changed_on_attempt2"] == "train.epochs"
     assert first.metrics["step"] == 3 * STEPS_PER_EPOCH and resumed.metrics["step"] == 4 * STEPS_PER_EPOCH
     steps = [s for s, _ in history(client, first.mlflow_run_id, "train/loss")]
     assert steps == list(range(2, 4 * STEPS_PER_EPOCH + 1, 2))  # no step repeated or skipped

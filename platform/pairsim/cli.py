@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pairsim.config import ConfigError, load_config
+from pairsim.config import ConfigError, RunConfig, load_config
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 
@@ -21,8 +21,7 @@ def results_table(metrics: dict[str, float], prefix: str = "val/") -> str:
     return "\n".join(lines)
 
 
-def _train(config_path: Path | None, overrides: list[str]) -> None:
-    cfg = load_config(config_path, overrides)
+def _train(cfg: RunConfig) -> None:
     from pairsim import train  # heavy imports only once the config is known to be good
 
     result = train.fit(cfg)
@@ -43,7 +42,7 @@ def _demo(overrides: list[str]) -> None:
     except FileNotFoundError:
         print(f"[pairsim] generating the shapes dataset in {cfg.data.path}")
         synth.generate(cfg.data.path)
-    _train(DEMO_CONFIG, overrides)
+    _train(cfg)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             _demo(args.overrides)
         elif args.command == "train":
-            _train(args.config, args.overrides)
+            _train(load_config(args.config, args.overrides))
         elif args.command == "data":
             from pairsim import synth
 

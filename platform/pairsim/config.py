@@ -31,7 +31,6 @@ class DataConfig(_Section):
     augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
     shuffle_buffer: int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
     prefetch_batches: int = Field(2, ge=0)
-    seed: int = 0
 
 
 class ModelConfig(_Section):
@@ -105,7 +104,8 @@ class RayConfig(_Section):
     )
     storage_path: Path = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster)")
     run_name: str | None = Field(
-        None, description="Ray Train run name; re-running with the same name resumes it"
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Ray Train run name; re-running with the same name resumes it",
     )
     max_failures: int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
 

@@ -61,7 +61,14 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
         run = found[0]
         client.update_run(run.info.run_id, status="RUNNING")
         attempt = int(run.data.tags.get("pairsim.attempts", "1")) + 1
-        new_params = {k: v for k, v in cfg.flat().items() if k not in run.data.params}
+        flat = {k: _param(k, v).value for k, v in cfg.flat().items()}
+        new_params = {k: v for k, v in flat.items() if k not in run.data.params}
+        changed = sorted(k for k, v in flat.items() if k in run.data.params and run.data.params[k] != v)
+        if changed:
+            client.set_tag(run.info.run_id, f"pairsim.changed_on_attempt{attempt}", ",".join(changed))
+            print(f"[pairsim] resuming {run_name} with changed settings (params keep their first values, "
+                  f"config-attempt{attempt}.yaml has the new ones): " +
+                  ", ".join(f"{k}: {run.data.params[k]} -> {flat[k]}" for k in changed))
     else:
         run = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name})
         attempt, new_params = 1, cfg.flat()
