@@ -10,6 +10,7 @@ DeepSpeed checkpoint on every rank that Ray Train merges and keeps.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import tempfile
 import time
@@ -280,14 +281,15 @@ def check_ready(cfg: RunConfig) -> None:
 
 
 def init_ray(cfg: RunConfig) -> None:
-    """Join ``ray.address``, or start a local instance sized workers × CPUs + ``ray.data_cpus``.
+    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
+    a local instance sized workers × CPUs + ``ray.data_cpus``.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores)."""
     if ray.is_initialized():
         return
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address)
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=cfg.ray.address)  # None: Ray reads RAY_ADDRESS
     else:
         cpus = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus)
         ray.init(num_cpus=cpus)
