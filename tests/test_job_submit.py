@@ -22,15 +22,18 @@ CLIENT_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
 @pytest.fixture
 def ray_head(tmp_path):
     """`ray start --head --block` on 127.0.0.1; stopping that process stops this head only."""
-    gcs, dashboard = unused_port(), unused_port()
+    # every port with a fixed default gets a free one: another Ray instance (the suite's own) may
+    # hold the defaults, e.g. the dashboard agent's 52365
+    ports = {flag: unused_port() for flag in (
+        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+        "ray-client-server-port", "runtime-env-agent-port", "metrics-export-port")}
     temp_dir = tempfile.mkdtemp(prefix="pairsim-ray-")  # short: Ray's AF_UNIX socket paths max 107 bytes
     ray_bin = Path(sys.executable).parent / "ray"
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=4",
-         f"--temp-dir={temp_dir}"],
+        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+         "--num-cpus=4", f"--temp-dir={temp_dir}", *(f"--{flag}={port}" for flag, port in ports.items())],
         stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
+    address = f"http://127.0.0.1:{ports['dashboard-port']}"
     deadline = time.time() + 120
     # ready when the job agent runs a trivial job
     while subprocess.run([str(ray_bin), "job", "submit", "--address", address, "--", "python", "-c", "pass"],
