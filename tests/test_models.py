@@ -16,10 +16,14 @@ def test_exported_weights_are_a_pretrained_file_for_both_open_clip_and_pairsim(t
     plain, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(path))
     pixels = torch.randn(2, 3, 64, 64)
     tokens = models.tokenizer("pairsim-tiny")(["a red circle", "a blue square above a green cross"])
+    def embed(model):  # what open_clip's forward returns as image and text features
+        model.eval()
+        return model.encode_image(pixels, normalize=True), model.encode_text(tokens, normalize=True)
+
     with torch.no_grad():
-        expected = models.encode(source.eval(), pixels, tokens)
-        for model in (reloaded.eval(), plain.eval()):
-            for got, want in zip(models.encode(model, pixels, tokens), expected):
+        expected = embed(source)
+        for model in (reloaded, plain):
+            for got, want in zip(embed(model), expected):
                 torch.testing.assert_close(got, want)
 
 

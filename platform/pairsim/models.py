@@ -73,14 +73,6 @@ def tokenizer(arch: str):
     return open_clip.get_tokenizer(arch)
 
 
-def encode(model: torch.nn.Module, pixels: torch.Tensor | None = None,
-           tokens: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """L2-normalised image and text embeddings (either may be skipped)."""
-    image = model.encode_image(pixels, normalize=True) if pixels is not None else None
-    text = model.encode_text(tokens, normalize=True) if tokens is not None else None
-    return image, text
-
-
 def save_open_clip_weights(state_dict: dict[str, torch.Tensor], path: str | Path) -> Path:
     """Write fp32 weights that ``open_clip.create_model_and_transforms(arch, pretrained=path)`` loads."""
     path = Path(path)
