@@ -22,6 +22,11 @@ def free_port() -> int:
     return unused_port()
 
 
+@pytest.fixture(scope="module")
+def free_port_module() -> int:
+    return unused_port()
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """256 train / 48 val shapes scenes at 64 px, in uneven shards (100, 100, 56 rows)."""

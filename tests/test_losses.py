@@ -1,3 +1,6 @@
+"""Every loss against a naive float64 implementation written from the papers' formulas, the
+identities between them, bf16 inputs, and the modules on 2 gloo processes vs 1 process."""
+
 import math
 import os
 
@@ -7,78 +10,310 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from pairsim.losses import UnifiedLoss, unified_loss
+from pairsim.config import load_config
+from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Temperature, TripletHN, Unified,
+                            build_objective)
+from pairsim.losses import functional as L
+
+# ----------------------------------------------------------------------- naive float64 references
 
 
-def naive_unified(sim, margin, gamma):
-    """Eq. (5) of Li et al. written as loops in float64 (log1p of a plain sum of exponentials)."""
-    sim = sim.double()
-    b = sim.shape[0]
-    total = 0.0
+def lse(values):
+    top = max(values)
+    return top + math.log(sum(math.exp(v - top) for v in values))
+
+
+def lists(*tensors):
+    """Plain Python numbers: the references never touch torch arithmetic."""
+    return [t.tolist() for t in tensors]
+
+
+def naive_infonce(sim, scale, pos):
+    b, total = len(sim), 0.0
+    for s, p in (lists(sim, pos), lists(sim.T, pos.T)):
+        for i in range(b):
+            row = [scale * s[i][j] for j in range(b)]
+            targets = [j for j in range(b) if p[i][j] or j == i]
+            total += -sum(row[t] - lse(row) for t in targets) / len(targets) / b
+    return total
+
+
+def naive_unified(sim, margin, gamma, pos):
+    """log1p of a plain sum of exponentials, exactly as eq. (5) reads (overflows for large γ)."""
+    (s, p), b, total = lists(sim, pos), len(sim), 0.0
     for i in range(b):
-        i2t = sum(math.exp(gamma * (sim[i, j] - sim[i, i] + margin)) for j in range(b) if j != i)
-        t2i = sum(math.exp(gamma * (sim[j, i] - sim[i, i] + margin)) for j in range(b) if j != i)
+        i2t = sum(math.exp(gamma * (s[i][j] - s[i][i] + margin)) for j in range(b) if j != i and not p[i][j])
+        t2i = sum(math.exp(gamma * (s[j][i] - s[i][i] + margin)) for j in range(b) if j != i and not p[j][i])
         total += (math.log1p(i2t) + math.log1p(t2i)) / gamma
     return total / b
 
 
-def random_sim(b, seed=0, dtype=torch.float64):
+def naive_triplet(sim, margin, pos):
+    (s, p), b, total = lists(sim, pos), len(sim), 0.0
+    for i in range(b):
+        i2t = max(s[i][j] for j in range(b) if j != i and not p[i][j])
+        t2i = max(s[j][i] for j in range(b) if j != i and not p[j][i])
+        total += max(i2t - s[i][i] + margin, 0) + max(t2i - s[i][i] + margin, 0)
+    return total / b
+
+
+def naive_gcl(embeddings, tau, groups, mask_self=True):
+    """The GCL formula term by term: every pair j, query modality a, positive modality b != a."""
+    normed = [[[x / math.sqrt(sum(y * y for y in row)) for x in row] for row in e.tolist()] for e in embeddings]
+    n, m, groups = len(normed[0]), len(normed), groups.tolist()
+    cos = lambda a, j, b, k: sum(x * y for x, y in zip(normed[a][j], normed[b][k]))  # noqa: E731
+    total, terms = 0.0, 0
+    for j in range(n):
+        for a in range(m):
+            keys = [cos(a, j, b, k) / tau for b in range(m) for k in range(n)
+                    if not (mask_self and b == a and k == j) and not (k != j and groups[k] == groups[j])]
+            for b in range(m):
+                if b != a:
+                    total -= cos(a, j, b, j) / tau - lse(keys)
+                    terms += 1
+    return total / terms
+
+
+def naive_kl_rows(teacher, student):
+    total = 0.0
+    for t_row, s_row in zip(teacher.tolist(), student.tolist()):
+        lq, lp = lse(t_row), lse(s_row)
+        total += sum(math.exp(t - lq) * ((t - lq) - (s - lp)) for t, s in zip(t_row, s_row))
+    return total / len(teacher)
+
+
+def unit(b, d, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    image = F.normalize(torch.randn(b, 16, generator=g, dtype=dtype), dim=-1)
-    text = F.normalize(torch.randn(b, 16, generator=g, dtype=dtype), dim=-1)
-    return image, text
+    return F.normalize(torch.randn(b, d, generator=g, dtype=dtype), dim=-1)
 
 
+GROUPS = torch.tensor([0, 0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 8])  # duplicates inside and across the halves
+
+
+def group_positives(groups):
+    return groups[:, None] == groups[None, :]
+
+
+# ------------------------------------------------------------------------------- functional API
+
+@pytest.mark.parametrize("with_positives", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_infonce_matches_naive(with_positives, scale):
+    sim = unit(12, 16, 0) @ unit(12, 16, 1).T
+    pos = group_positives(GROUPS) if with_positives else torch.eye(12, dtype=torch.bool)
+    got = L.infonce_loss(sim, scale, pos if with_positives else None)
+    assert got.item() == pytest.approx(naive_infonce(sim, scale, pos), rel=1e-10)
+
+
+@pytest.mark.parametrize("with_positives", [False, True])
 @pytest.mark.parametrize("margin,gamma", [(0.2, 50.0), (0.0, 10.0), (0.5, 5.0)])
-def test_unified_matches_naive_float64(margin, gamma):
-    image, text = random_sim(9)
-    sim = image @ text.T
-    assert unified_loss(sim, margin, gamma).item() == pytest.approx(naive_unified(sim, margin, gamma), rel=1e-10)
+def test_unified_matches_naive(with_positives, margin, gamma):
+    sim = unit(12, 16, 2) @ unit(12, 16, 3).T
+    pos = group_positives(GROUPS) if with_positives else torch.eye(12, dtype=torch.bool)
+    got = L.unified_loss(sim, margin, gamma, pos if with_positives else None)
+    assert got.item() == pytest.approx(naive_unified(sim, margin, gamma, pos), rel=1e-10)
 
 
-def test_unified_with_zero_margin_is_infonce_over_gamma():
-    image, text = random_sim(12, seed=1)
-    sim = image @ text.T
-    gamma = 14.0
-    target = torch.arange(12)
-    infonce = F.cross_entropy(gamma * sim, target) + F.cross_entropy(gamma * sim.T, target)
-    assert (gamma * unified_loss(sim, 0.0, gamma)).item() == pytest.approx(infonce.item(), rel=1e-10)
+@pytest.mark.parametrize("with_positives", [False, True])
+def test_triplet_hn_matches_naive(with_positives):
+    sim = unit(12, 16, 4) @ unit(12, 16, 5).T
+    pos = group_positives(GROUPS) if with_positives else torch.eye(12, dtype=torch.bool)
+    got = L.triplet_hn_loss(sim, 0.3, pos if with_positives else None)
+    assert got.item() == pytest.approx(naive_triplet(sim, 0.3, pos), rel=1e-10)
 
 
-def test_unified_approaches_hardest_negative_triplet_as_gamma_grows():
-    image, text = random_sim(10, seed=2)
-    sim = image @ text.T
-    margin, b = 0.2, 10
-    off = sim.masked_fill(torch.eye(b, dtype=torch.bool), -float("inf"))
-    triplet = ((off.max(1).values - sim.diag() + margin).clamp(min=0)
-               + (off.max(0).values - sim.diag() + margin).clamp(min=0)).mean()
-    assert unified_loss(sim, margin, 1e5).item() == pytest.approx(triplet.item(), abs=1e-4)
+def test_off_diagonal_positives_are_never_pushed_apart():
+    """Images 0 and 1 share a group: s_01 gets no gradient from the margin losses (neither anchor
+    nor negative) and is pulled up by InfoNCE (a target)."""
+    sim = (unit(12, 16, 6) @ unit(12, 16, 7).T).requires_grad_(True)
+    pos = group_positives(GROUPS)
+    for loss, sign in [(lambda s: L.unified_loss(s, 0.2, 50.0, pos), 0), (lambda s: L.triplet_hn_loss(s, 0.9, pos), 0),
+                       (lambda s: L.infonce_loss(s, 10.0, pos), -1)]:
+        (grad,) = torch.autograd.grad(loss(sim), sim)
+        assert torch.sign(grad[0, 1]).item() == sign and torch.sign(grad[1, 0]).item() == sign
+        assert (grad[0, 2:] > 0).any()  # while real negatives are pushed down
 
 
-def test_unified_is_finite_in_float32_at_gamma_1000():
-    image, text = random_sim(32, seed=3, dtype=torch.float32)
-    image.requires_grad_(True)
-    loss = UnifiedLoss(margin=0.5, gamma=1000.0)(image.bfloat16(), text.bfloat16())
+@pytest.mark.parametrize("with_groups", [False, True])
+@pytest.mark.parametrize("mask_self", [True, False])
+def test_gcl_matches_naive(with_groups, mask_self):
+    image, text, fused = unit(12, 8, 8), unit(12, 8, 9), unit(12, 8, 10)
+    groups = GROUPS if with_groups else torch.arange(12)
+    got = L.gcl_loss(image * 3, text, fused * 0.5, 0.1, groups if with_groups else None, mask_self)
+    assert got.item() == pytest.approx(naive_gcl([image, text, fused], 0.1, groups, mask_self), rel=1e-10)
+
+
+def test_gcl_without_fused_is_the_two_modality_form():
+    image, text = unit(12, 8, 11), unit(12, 8, 12)
+    got = L.gcl_loss(image, text, None, 0.07, GROUPS)
+    assert got.item() == pytest.approx(naive_gcl([image, text], 0.07, GROUPS), rel=1e-10)
+
+
+def test_csa_and_usa_match_naive():
+    image, text = unit(10, 8, 13), unit(10, 8, 14)
+    t_img, t_txt = unit(10, 6, 15), unit(10, 6, 16)
+    u_img, u_txt = unit(10, 8, 17), unit(10, 8, 18)
+    sim, tis, tts = image @ text.T, t_img @ t_img.T, t_txt @ t_txt.T
+    csa = L.csa_loss(sim, tis, tts, 0.45, teacher_temperature=0.7)
+    expected = 0.5 * (naive_kl_rows(tis / 0.7, sim / 0.45) + naive_kl_rows(tts / 0.7, sim.T / 0.45))
+    assert csa.item() == pytest.approx(expected, rel=1e-10)
+    usa = L.usa_loss(u_img @ u_img.T, u_txt @ u_txt.T, tis, tts, 0.3, 0.6)
+    expected = 0.5 * (naive_kl_rows(tis, u_img @ u_img.T / 0.3) + naive_kl_rows(tts, u_txt @ u_txt.T / 0.6))
+    assert usa.item() == pytest.approx(expected, rel=1e-10)
+    assert L.csa_loss(sim, sim / 0.45, sim.T / 0.45, 0.45).item() == pytest.approx(0.0, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------- identities
+
+def test_gamma_times_unified_at_zero_margin_is_infonce_at_scale_gamma():
+    sim = unit(12, 16, 19) @ unit(12, 16, 20).T
+    for gamma in (1.0, 14.0, 80.0):
+        assert (gamma * L.unified_loss(sim, 0.0, gamma)).item() == pytest.approx(
+            L.infonce_loss(sim, gamma).item(), rel=1e-10)
+
+
+@pytest.mark.parametrize("with_positives", [False, True])
+def test_unified_tends_to_triplet_hn_as_gamma_grows(with_positives):
+    sim = unit(12, 16, 21) @ unit(12, 16, 22).T
+    pos = group_positives(GROUPS) if with_positives else None
+    triplet = L.triplet_hn_loss(sim, 0.2, pos).item()
+    gaps = [abs(L.unified_loss(sim, 0.2, g, pos).item() - triplet) for g in (1e2, 1e3, 1e4, 1e5)]
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 1e-4
+
+
+def features(b, seed, dtype=torch.float64, d=8, teacher_d=6):
+    return {"image": unit(b, d, seed, dtype), "text": unit(b, d, seed + 1, dtype), "fused": unit(b, d, seed + 2, dtype),
+            "image_unimodal": unit(b, d, seed + 3, dtype), "text_unimodal": unit(b, d, seed + 4, dtype),
+            "teacher_image": unit(b, teacher_d, seed + 5, dtype), "teacher_text": unit(b, teacher_d, seed + 6, dtype)}
+
+
+@pytest.mark.parametrize("structure", ["image_text", "gcl"])
+def test_cusa_with_zero_weights_equals_its_base(structure):
+    teachers = {"image_teacher": {"kind": "initial_student"}}
+    cfg = load_config(None, [f"loss.structure={structure}", "loss.base=infonce",
+                             f"loss.cusa={{alpha: 0, beta: 0, image_teacher: {teachers['image_teacher']}}}"])
+    with_cusa, base_only = build_objective(cfg.loss), build_objective(cfg.loss.model_copy(update={"cusa": None}))
+    feats = features(12, 30) | {"group_ids": GROUPS}
+    out = with_cusa(**feats)
+    assert out["loss/csa"] > 0 and out["loss/usa"] > 0
+    assert out["loss"].item() == pytest.approx(base_only(**feats)["loss"].item(), rel=1e-12)
+
+
+def test_objective_total_is_base_plus_weighted_cusa_terms():
+    cfg = load_config(None, ["loss.cusa={alpha: 0.3, beta: 0.7, image_teacher: {kind: initial_student}}"])
+    out = build_objective(cfg.loss)(**features(12, 40), group_ids=GROUPS)
+    expected = out["loss/base"] + 0.3 * out["loss/csa"] + 0.7 * out["loss/usa"]
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-12)
+    assert set(out) >= {"temperature/cross", "temperature/image", "temperature/text"}
+
+
+def test_module_losses_equal_the_functional_ones():
+    """The structure modules (rows × global columns machinery) against the whole-matrix functions."""
+    f = features(12, 50)
+    sim, pos = f["image"] @ f["text"].T, group_positives(GROUPS)
+    tau = Temperature(0.05, 0.01, 0.1).double()
+    for base, expected in [(InfoNCE(tau), L.infonce_loss(sim, 1 / tau(), pos)),
+                           (Unified(0.2, 50.0), L.unified_loss(sim, 0.2, 50.0, pos)),
+                           (TripletHN(0.2), L.triplet_hn_loss(sim, 0.2, pos))]:
+        got = ImageTextLoss(base)(image=f["image"], text=f["text"], group_ids=GROUPS)
+        assert got.item() == pytest.approx(expected.item(), rel=1e-12)
+        assert base(sim, pos).item() == pytest.approx(expected.item(), rel=1e-12)
+    got = GCLLoss(InfoNCE(tau))(image=f["image"], text=f["text"], fused=f["fused"], group_ids=GROUPS)
+    assert got.item() == pytest.approx(L.gcl_loss(f["image"], f["text"], f["fused"], tau(), GROUPS).item(), rel=1e-12)
+    cusa = CUSALoss().double()
+    csa, usa = cusa(**{k: v for k, v in f.items() if k != "fused"})
+    tau_c, tau_i, tau_t = cusa.cross_temperature(), cusa.image_temperature(), cusa.text_temperature()
+    t_img, t_txt = f["teacher_image"] @ f["teacher_image"].T, f["teacher_text"] @ f["teacher_text"].T
+    assert csa.item() == pytest.approx(L.csa_loss(sim, t_img, t_txt, tau_c).item(), rel=1e-12)
+    expected = L.usa_loss(f["image_unimodal"] @ f["image_unimodal"].T, f["text_unimodal"] @ f["text_unimodal"].T,
+                          t_img, t_txt, tau_i, tau_t)
+    assert usa.item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_temperature_is_clamped_where_used():
+    tau = Temperature(0.05, 0.01, 0.1)
+    with torch.no_grad():
+        tau.value.fill_(5.0)
+    assert tau().item() == pytest.approx(0.1)
+    assert Temperature(0.5, 0.1, 1.0, learnable=False).value.requires_grad is False
+    with pytest.raises(ValueError, match="min <= init <= max"):
+        Temperature(0.5, 0.01, 0.1)
+
+
+# ------------------------------------------------------------------------- bf16 and bad values
+
+@pytest.mark.parametrize("structure,base", [("image_text", "unified"), ("image_text", "triplet_hn"),
+                                            ("image_text", "infonce"), ("gcl", "unified"), ("gcl", "infonce")])
+def test_bf16_inputs_give_a_finite_fp32_loss_at_gamma_1000(structure, base):
+    cfg = load_config(None, [f"loss.structure={structure}", f"loss.base={base}", "loss.gamma=1000", "loss.margin=0.5",
+                             "loss.cusa={image_teacher: {kind: initial_student}}"])
+    feats = {k: v.bfloat16().requires_grad_(True) for k, v in features(32, 60, torch.float32).items()}
+    out = build_objective(cfg.loss)(**feats)
+    out["loss"].backward()
+    assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+    assert all(torch.isfinite(v.grad).all() for k, v in feats.items() if v.grad is not None)
+
+
+def test_unified_gradient_is_finite_in_float32_at_gamma_1000_with_saturated_rows():
+    sim = torch.full((8, 8), -1.0, requires_grad=True)  # every negative far past the margin
+    loss = L.unified_loss(sim * 1.0 + torch.eye(8) * 2.0, 0.5, 1000.0)
     loss.backward()
-    assert loss.dtype == torch.float32
-    assert torch.isfinite(loss) and torch.isfinite(image.grad).all()
+    assert torch.isfinite(loss) and torch.isfinite(sim.grad).all()
 
 
-def _worker(rank, world, port, image, text, local_loss, out):
+def test_non_finite_loss_stops_with_a_clear_error():
+    feats = features(8, 70)
+    feats["image"][3] = float("nan")
+    with pytest.raises(FloatingPointError, match="loss/base"):
+        build_objective(load_config(None).loss)(**feats)
+
+
+# --------------------------------------------------------------------- distributed equivalence
+
+MODULES = {
+    "image_text_infonce": ["loss.base=infonce"],
+    "image_text_unified": ["loss.base=unified", "loss.gamma=30"],
+    "image_text_triplet_hn": ["loss.base=triplet_hn"],
+    "gcl_infonce": ["loss.structure=gcl", "loss.base=infonce"],
+    "gcl_unified": ["loss.structure=gcl", "loss.base=unified", "loss.gamma=30"],
+    "cusa_unified": ["loss.base=unified", "loss.gamma=30", "loss.cusa={image_teacher: {kind: initial_student}}"],
+    "gcl_cusa_infonce": ["loss.structure=gcl", "loss.base=infonce",
+                         "loss.cusa={image_teacher: {kind: initial_student}}"],
+}
+B = 12
+
+
+def run_case(name, local_loss, feats, rank=0, world=1):
+    """(loss, feature grads [b, Σd], temperature grads) of one module on this process's share."""
+    torch.manual_seed(0)
+    cfg = load_config(None, MODULES[name] + [f"loss.local_loss={local_loss}",
+                                             # temperatures inside their ranges so their gradients are live
+                                             "loss.temperature={init: 0.05, min: 0.01, max: 0.1}"])
+    objective = build_objective(cfg.loss, rank, world).double()
+    b = B // world
+    mine = {k: v[rank * b:(rank + 1) * b].clone().requires_grad_(k != "group_ids") for k, v in feats.items()}
+    out = objective(**mine)
+    out["loss"].backward()  # what the data-parallel engine does on each rank
+    grads = torch.cat([mine[k].grad for k in sorted(mine) if k != "group_ids" and mine[k].grad is not None], dim=1)
+    temps = torch.cat([p.grad.reshape(-1) for p in objective.parameters()] or [torch.zeros(0, dtype=torch.float64)])
+    return out["loss"].detach(), grads, temps
+
+
+def _distributed_worker(rank, world, port, feats, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    b = image.shape[0] // world
-    mine_image = image[rank * b:(rank + 1) * b].clone().requires_grad_(True)
-    mine_text = text[rank * b:(rank + 1) * b].clone().requires_grad_(True)
-    loss = UnifiedLoss(0.2, 30.0, local_loss=local_loss, rank=rank, world_size=world)(mine_image, mine_text)
-    # what the data-parallel engine does: each rank backprops its loss, gradients are averaged
-    loss.backward()
-    grads = torch.cat([mine_image.grad, mine_text.grad], dim=1)
-    losses = [torch.zeros(()) for _ in range(world)]
-    dist.all_gather(losses, loss.detach())
-    all_grads = [torch.zeros_like(grads) for _ in range(world)]
-    dist.all_gather(all_grads, grads)
+    results = {}
+    for name in MODULES:
+        for local_loss in (False, True):
+            loss, grads, temps = run_case(name, local_loss, feats, rank, world)
+            gathered = [[torch.zeros_like(t) for _ in range(world)] for t in (loss, grads, temps)]
+            for bucket, t in zip(gathered, (loss, grads, temps)):
+                dist.all_gather(bucket, t)
+            # the engine averages losses (for logging) and gradients over ranks
+            # numpy, not tensors: torch would share tensors through handles of this (exiting) process
+            results[name, local_loss] = (torch.stack(gathered[0]).mean().numpy(), (torch.cat(gathered[1]) / world).numpy(),
+                                         torch.stack(gathered[2]).mean(0).numpy())
     if rank == 0:
-        out.put((torch.stack(losses).mean().item(), torch.cat(all_grads).numpy()))
+        out.put(results)
     out.close()
     out.join_thread()  # the result is in the pipe before os._exit below
     dist.barrier()  # no rank tears gloo down while another is still in a collective
@@ -88,25 +323,28 @@ def _worker(rank, world, port, image, text, local_loss, out):
     os._exit(0)
 
 
-@pytest.mark.parametrize("local_loss", [False, True])
-def test_two_processes_match_one_process(local_loss, free_port):
-    """Float32, 2 gloo ranks with B/2 each vs one process with B: same loss and gradients."""
-    torch.manual_seed(0)
-    image, text = torch.randn(16, 8), torch.randn(16, 8)
-    ref_image, ref_text = image.clone().requires_grad_(True), text.clone().requires_grad_(True)
-    ref_loss = UnifiedLoss(0.2, 30.0)(ref_image, ref_text)
-    ref_loss.backward()
-    ref_grads = torch.cat([ref_image.grad, ref_text.grad], dim=1)
-
+@pytest.fixture(scope="module")
+def distributed_results(free_port_module):
+    feats = features(B, 80) | {"group_ids": GROUPS}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, free_port, image, text, local_loss, out)) for r in range(2)]
+    procs = [ctx.Process(target=_distributed_worker, args=(r, 2, free_port_module, feats, out)) for r in range(2)]
     for p in procs:
         p.start()
-    loss, grads = out.get(timeout=120)
+    results = out.get(timeout=300)
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
-    # a data-parallel engine averages the ranks' gradients: summed contributions / world size
-    torch.testing.assert_close(torch.from_numpy(grads) / 2, ref_grads, rtol=1e-5, atol=1e-6)
+    return feats, results
+
+
+@pytest.mark.parametrize("local_loss", [False, True])
+@pytest.mark.parametrize("name", list(MODULES))
+def test_two_processes_match_one_process(name, local_loss, distributed_results):
+    """Float64, 2 gloo ranks with B/2 each vs 1 process with B: loss, feature and temperature grads."""
+    feats, results = distributed_results
+    loss, grads, temps = (torch.from_numpy(x) for x in results[name, local_loss])
+    ref_loss, ref_grads, ref_temps = run_case(name, local_loss, feats)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-9)
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(temps, ref_temps, rtol=1e-9, atol=1e-12)

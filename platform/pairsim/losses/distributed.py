@@ -1,0 +1,57 @@
+"""The one place where loss inputs cross workers.
+
+As open_clip's ``ClipLoss`` with ``gather_with_grad``: every feature is all-gathered with
+autograd, so the backward reduce-scatters (sums) each slice's gradient to the worker that
+produced it. Each worker then scores either every global row (``local_loss=False``) or only
+its own rows (``local_loss=True``: memory O(B_local × B_global)) against all global columns.
+With the data-parallel gradient average a DeepSpeed engine applies, both give exactly the
+gradient of the loss on the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+
+def all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every worker's ``x`` concatenated along dim 0 in rank order; differentiable when ``x``
+    requires grad (``torch.distributed.nn.all_gather`` is deprecated in torch 2.15)."""
+    if world_size == 1:
+        return x
+    if x.requires_grad:
+        return funcol.all_gather_single_autograd(x, 0, dist.group.WORLD)
+    return funcol.all_gather_single(x.contiguous(), 0, dist.group.WORLD)
+
+
+@dataclass
+class GlobalBatch:
+    """Loss inputs of one step: each worker's rows and the whole global batch of columns."""
+
+    local: dict[str, torch.Tensor]
+    columns: dict[str, torch.Tensor]
+    row_offset: int  # global index of the first row in ``rows``
+    local_loss: bool
+
+    def rows(self, name: str) -> torch.Tensor:
+        """The rows this worker scores: its own (``local_loss``) or all of them."""
+        return self.local[name] if self.local_loss else self.columns[name]
+
+    @property
+    def first_row(self) -> int:
+        return self.row_offset if self.local_loss else 0
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.columns.get(name)
+
+
+def gather_batch(features: dict[str, torch.Tensor | None], *, local_loss: bool, rank: int,
+                 world_size: int) -> GlobalBatch:
+    """Gather every (non-None) input once. All workers must pass the same names and batch size."""
+    local = {k: v for k, v in features.items() if v is not None}
+    columns = {k: all_gather(v, world_size) for k, v in local.items()}
+    size = next(iter(local.values())).shape[0]
+    return GlobalBatch(local, columns, rank * size, local_loss)

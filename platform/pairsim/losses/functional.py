@@ -1,0 +1,216 @@
+"""Pair-similarity losses as functions of similarity matrices.
+
+Conventions (all functions): ``sim[i, j]`` is the cosine similarity of image i and text j,
+[B, B]. ``positives`` is an optional bool [B, B] marking pairs that share an image id; the
+diagonal is always a positive and off-diagonal positives are never counted as negatives.
+Results are means over anchors with both retrieval directions summed. Inputs of any float
+dtype are computed in float32 at least (float64 stays float64).
+
+Every loss is built on a *row* function over a similarity block ``sim`` [R, C] with two bool
+masks of the same shape: ``targets`` (each row's positives) and ``ignore`` (keys that are
+neither positives nor negatives, left out of every sum). Rows are what the distributed
+modules compute when each worker scores only its own rows (``local_loss``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, or float64 when it is float64 (bf16/fp16 are promoted)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with masked entries at the dtype's lowest finite value: they vanish from softmaxes
+    and maxima, and an all-masked row stays finite (so do its gradients) rather than NaN."""
+    return x if mask is None else x.masked_fill(mask, torch.finfo(x.dtype).min)
+
+
+def _mean_over_targets(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of ``values`` [K] given at ``targets.nonzero()`` (row-major order); [R]."""
+    rows = targets.nonzero(as_tuple=True)[0]
+    sums = torch.zeros(targets.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
+    return sums / targets.sum(1).clamp(min=1)
+
+
+def split_positives(anchors: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool):
+    """(targets, ignore) for a block whose pairs' own anchors are ``anchors`` and whose further
+    positives (pairs sharing an image id) are ``positives``.
+
+    ``anchors_only`` (margin losses): the anchors are the targets and further positives are
+    ignored. Otherwise (InfoNCE) every positive is a target.
+    """
+    if positives is None:
+        return anchors, None
+    positives = positives | anchors
+    return (anchors, positives & ~anchors) if anchors_only else (positives, None)
+
+
+# ---------------------------------------------------------------------------------------- rows
+
+
+def infonce_rows(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tensor,
+                 ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row cross-entropy of ``softmax(scale · sim[r, ~ignore])`` against a target uniform
+    over the row's ``targets``: −mean_{t ∈ T(r)} log softmax(scale · sim[r])_t. Returns [R]."""
+    sim = fp32(sim)
+    log_p = F.log_softmax(_masked(scale * sim, ignore), dim=1)
+    return _mean_over_targets(-log_p[targets], targets)
+
+
+def unified_rows(sim: torch.Tensor, margin: float, gamma: float, targets: torch.Tensor,
+                 ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row Unified loss, each target an anchor: mean over t ∈ T(r) of
+
+        (1/γ) log(1 + Σ_{k ∈ N(r)} exp(γ(s_rk − s_rt + m))),   N(r) = not target, not ignored.
+
+    Computed as softplus(logsumexp_k γ(s_rk + m) − γ s_rt) / γ — a logsumexp with a zero term —
+    so loss and gradient stay finite in float32 up to γ = 1000 and beyond. Returns [R].
+    """
+    sim = fp32(sim)
+    not_negative = targets if ignore is None else targets | ignore
+    lse = torch.logsumexp(_masked(gamma * (sim + margin), not_negative), dim=1)  # [R]
+    rows = targets.nonzero(as_tuple=True)[0]
+    terms = F.softplus(lse[rows] - gamma * sim[targets], beta=1.0, threshold=20.0) / gamma
+    return _mean_over_targets(terms, targets)
+
+
+def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
+                    ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row hardest-negative triplet loss (VSE++), each target an anchor: mean over t ∈ T(r)
+    of [max_{k ∈ N(r)} s_rk − s_rt + m]_+. Returns [R]."""
+    sim = fp32(sim)
+    not_negative = targets if ignore is None else targets | ignore
+    hardest = _masked(sim, not_negative).max(dim=1).values  # [R]
+    rows = targets.nonzero(as_tuple=True)[0]
+    return _mean_over_targets((hardest[rows] - sim[targets] + margin).clamp(min=0), targets)
+
+
+def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(softmax(teacher) ‖ softmax(student)) = Σ_j Q_j (log Q_j − log P_j). Returns [R]."""
+    log_q = F.log_softmax(fp32(teacher_logits), dim=1)
+    log_p = F.log_softmax(fp32(student_logits), dim=1)
+    return (log_q.exp() * (log_q - log_p)).sum(1)
+
+
+# ------------------------------------------------------------------------------- image ↔ text
+
+
+def _both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool):
+    anchors = torch.eye(sim.shape[0], dtype=torch.bool, device=sim.device)
+    targets, ignore = split_positives(anchors, positives, anchors_only)
+    transpose = None if ignore is None else ignore.T
+    return rows_fn(sim, targets, ignore).mean() + rows_fn(sim.T, targets.T, transpose).mean()
+
+
+def infonce_loss(sim: torch.Tensor, scale: torch.Tensor | float,
+                 positives: torch.Tensor | None = None) -> torch.Tensor:
+    """InfoNCE / CLIP's contrastive loss (Radford et al. 2021; van den Oord et al. 2018).
+
+    Σ over both directions of mean_i CE(softmax(scale · sim[i, :]), uniform over P(i)), where
+    P(i) = {j : positives[i, j]} ∪ {i}. Without positives this is CLIP's loss with logit scale
+    ``scale`` (= 1/τ), summed rather than averaged over the two directions.
+    """
+    return _both_directions(lambda s, t, ig: infonce_rows(s, scale, t, ig), sim, positives, anchors_only=False)
+
+
+def unified_loss(sim: torch.Tensor, margin: float, gamma: float,
+                 positives: torch.Tensor | None = None) -> torch.Tensor:
+    """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869), eq. (5):
+
+    (1/B) Σ_i (1/γ)[ log(1 + Σ_{j∉P(i)} e^{γ(s_ij − s_ii + m)}) + log(1 + Σ_{j∉P'(i)} e^{γ(s_ji − s_ii + m)}) ]
+
+    with P(i) = {j : positives[i, j]}, P'(i) = {j : positives[j, i]}. m = 0 gives InfoNCE with
+    scale γ divided by γ; γ → ∞ gives :func:`triplet_hn_loss`. Finite in float32 up to γ = 1000.
+    """
+    return _both_directions(lambda s, t, ig: unified_rows(s, margin, gamma, t, ig), sim, positives,
+                            anchors_only=True)
+
+
+def triplet_hn_loss(sim: torch.Tensor, margin: float, positives: torch.Tensor | None = None) -> torch.Tensor:
+    """Triplet loss with the hardest negative (VSE++, Faghri et al. 2018):
+
+    (1/B) Σ_i [max_{j∉P(i)} s_ij − s_ii + m]_+ + [max_{j∉P'(i)} s_ji − s_ii + m]_+
+    """
+    return _both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives,
+                            anchors_only=True)
+
+
+# ---------------------------------------------------------------------------------------- GCL
+
+
+def gcl_masks(pair_ids: torch.Tensor, modality: torch.Tensor, group_ids: torch.Tensor | None,
+              key_pair_ids: torch.Tensor, key_modality: torch.Tensor, key_group_ids: torch.Tensor | None,
+              mask_self: bool):
+    """(targets, ignore) for GCL query rows against keys, given each side's pair index,
+    modality index (0 image, 1 text, 2 fused) and optional group id.
+
+    Targets: the same pair's embeddings of the other modalities. Ignored: the query itself
+    (``mask_self``) and every key of another pair with the same group id.
+    """
+    same_pair = pair_ids[:, None] == key_pair_ids[None, :]
+    same_modality = modality[:, None] == key_modality[None, :]
+    targets = same_pair & ~same_modality
+    ignore = same_pair & same_modality if mask_self else torch.zeros_like(same_pair)
+    if group_ids is not None:
+        ignore |= (group_ids[:, None] == key_group_ids[None, :]) & ~same_pair
+    return targets, ignore
+
+
+def gcl_layout(n: int, modalities: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair index and modality index of the stacked embeddings [image; text; (fused)], [M·n] each."""
+    pair_ids = torch.arange(n, device=device).repeat(modalities)
+    modality = torch.arange(modalities, device=device).repeat_interleave(n)
+    return pair_ids, modality
+
+
+def gcl_loss(image: torch.Tensor, text: torch.Tensor, fused: torch.Tensor | None, temperature: torch.Tensor | float,
+             group_ids: torch.Tensor | None = None, mask_self: bool = True) -> torch.Tensor:
+    """Generalized Contrastive Learning (Lee et al., NeurIPS 2025, arXiv 2509.25638).
+
+    −1/(6N) Σ_j Σ_{a ≠ b ∈ {i, t, it}} log[ exp(cos(e_a^j, e_b^j)/τ) / Σ_{keys} exp(cos(e_a^j, key)/τ) ]
+
+    over all 3N keys of the batch, leaving out the query itself when ``mask_self`` and always
+    the keys of another pair with the same group id. Embeddings [N, d] are L2-normalised here.
+    With ``fused=None`` it is the two-modality form (2N keys, 2N terms).
+    """
+    parts = [image, text] + ([fused] if fused is not None else [])
+    emb = F.normalize(fp32(torch.cat(parts)), dim=-1)
+    pair_ids, modality = gcl_layout(image.shape[0], len(parts), emb.device)
+    groups = None if group_ids is None else group_ids.repeat(len(parts))
+    targets, ignore = gcl_masks(pair_ids, modality, groups, pair_ids, modality, groups, mask_self)
+    return infonce_rows(emb @ emb.T, 1.0 / temperature, targets, ignore).mean()
+
+
+# --------------------------------------------------------------------------------------- CUSA
+
+
+def csa_loss(sim_i2t: torch.Tensor, teacher_image_sim: torch.Tensor, teacher_text_sim: torch.Tensor,
+             temperature: torch.Tensor | float, teacher_temperature: float = 1.0) -> torch.Tensor:
+    """Cross-modal soft-label alignment of CUSA (Huang et al., AAAI 2024, arXiv 2403.05261):
+
+    ½[ KL(Q_img ‖ softmax_j(sim_i2t[i, j]/τ)) + KL(Q_txt ‖ softmax_j(sim_i2tᵀ[i, j]/τ)) ]
+
+    Q = row softmax of the teacher similarity / ``teacher_temperature``; KL(teacher ‖ student)
+    averaged over rows ("batchmean").
+    """
+    i2t = kl_rows(teacher_image_sim / teacher_temperature, sim_i2t / temperature).mean()
+    t2i = kl_rows(teacher_text_sim / teacher_temperature, sim_i2t.T / temperature).mean()
+    return 0.5 * (i2t + t2i)
+
+
+def usa_loss(sim_image_image: torch.Tensor, sim_text_text: torch.Tensor, teacher_image_sim: torch.Tensor,
+             teacher_text_sim: torch.Tensor, image_temperature: torch.Tensor | float,
+             text_temperature: torch.Tensor | float, teacher_temperature: float = 1.0) -> torch.Tensor:
+    """Uni-modal soft-label alignment of CUSA (Huang et al., AAAI 2024, arXiv 2403.05261):
+
+    ½[ KL(Q_img ‖ softmax(sim_image_image/τ_i)) + KL(Q_txt ‖ softmax(sim_text_text/τ_t)) ]
+
+    with the conventions of :func:`csa_loss`; the student similarities come from uni-modal heads.
+    """
+    image = kl_rows(teacher_image_sim / teacher_temperature, sim_image_image / image_temperature).mean()
+    text = kl_rows(teacher_text_sim / teacher_temperature, sim_text_text / text_temperature).mean()
+    return 0.5 * (image + text)

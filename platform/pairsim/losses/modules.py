@@ -1,0 +1,324 @@
+"""Loss modules over model outputs: learnable temperatures, the global batch, composition.
+
+An objective is a **base** pairwise loss (:class:`InfoNCE`, :class:`Unified`, :class:`TripletHN`)
+applied over a **similarity structure** (:class:`ImageTextLoss`: the B×B image↔text matrix;
+:class:`GCLLoss`: the 3N×3N matrix over image, text and fused embeddings), plus optional
+:class:`CUSALoss` soft-label terms: total = base + α·CSA + β·USA (:class:`Objective`).
+
+Structures and CUSA are :class:`BatchLoss` modules: called with features they gather them once
+(:mod:`pairsim.losses.distributed`), L2-normalise them in float32, and score rows against the
+global batch; :class:`Objective` gathers once for all its terms. Group ids (the image id of
+each pair) make pairs of one image positives of each other, never negatives.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pairsim.losses import functional
+from pairsim.losses.distributed import GlobalBatch, gather_batch
+
+if TYPE_CHECKING:
+    from pairsim.config import LossConfig, TemperatureConfig
+
+
+class Temperature(nn.Module):
+    """A temperature τ, learnable or fixed, clamped to [min, max] where it is used.
+
+    The clamp is applied in ``forward`` rather than to the stored value: under DeepSpeed the
+    optimizer owns fp32 master weights (and ZeRO-3 partitions them), so an in-place clamp of
+    the module parameter would be lost. The parameter has shape [1] (DeepSpeed cannot
+    broadcast 0-dim tensors).
+    """
+
+    def __init__(self, init: float, min: float, max: float, learnable: bool = True):
+        super().__init__()
+        if not 0 < min <= init <= max:
+            raise ValueError(f"temperature needs 0 < min <= init <= max, got {min}, {init}, {max}")
+        self.min, self.max = min, max
+        self.value = nn.Parameter(torch.tensor([float(init)]), requires_grad=learnable)
+
+    @classmethod
+    def from_config(cls, cfg: TemperatureConfig) -> Temperature:
+        return cls(cfg.init, cfg.min, cfg.max, cfg.learnable)
+
+    def forward(self) -> torch.Tensor:
+        return functional.fp32(self.value).clamp(self.min, self.max).squeeze(0)  # bf16 engines: τ in fp32
+
+    def extra_repr(self) -> str:
+        return f"min={self.min}, max={self.max}, learnable={self.value.requires_grad}"
+
+
+# -------------------------------------------------------------------------------- base losses
+
+
+class InfoNCE(nn.Module):
+    """InfoNCE / CLIP contrastive loss with scale 1/τ (Radford et al. 2021).
+
+    Per row: cross-entropy of softmax(sim/τ) against a target uniform over the row's positives.
+    Default τ: learnable, init 0.05, clamped to [0.01, 0.1] (CUSA's base). Limits: τ → 0 weighs
+    only the hardest negatives; multiple positives share the target mass.
+    """
+
+    anchors_only = False
+
+    def __init__(self, temperature: Temperature | None = None):
+        super().__init__()
+        self.temperature = temperature or Temperature(0.05, 0.01, 0.1)
+
+    def rows(self, sim, targets, ignore=None):
+        return functional.infonce_rows(sim, 1.0 / self.temperature(), targets, ignore)
+
+    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+        return functional.infonce_loss(sim, 1.0 / self.temperature(), positives)
+
+
+class Unified(nn.Module):
+    """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869), eq. (5).
+
+    Per anchor: (1/γ) log(1 + Σ_negatives exp(γ(s_neg − s_pos + m))). Defaults m = 0.2, γ = 50
+    (the paper's CLIP fine-tuning). Limits: m = 0 is InfoNCE with scale γ, divided by γ;
+    γ → ∞ is :class:`TripletHN`. Finite in float32 up to γ = 1000.
+    """
+
+    anchors_only = True
+
+    def __init__(self, margin: float = 0.2, gamma: float = 50.0):
+        super().__init__()
+        if gamma <= 0 or margin < 0:
+            raise ValueError(f"Unified needs gamma > 0 and margin >= 0, got gamma={gamma}, margin={margin}")
+        self.margin, self.gamma = margin, gamma
+
+    def rows(self, sim, targets, ignore=None):
+        return functional.unified_rows(sim, self.margin, self.gamma, targets, ignore)
+
+    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+        return functional.unified_loss(sim, self.margin, self.gamma, positives)
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, gamma={self.gamma}"
+
+
+class TripletHN(nn.Module):
+    """Triplet loss with the hardest negative in the batch (VSE++, Faghri et al., BMVC 2018).
+
+    Per anchor: [max_negatives s_neg − s_pos + m]_+. Default m = 0.2. It is the γ → ∞ limit of
+    :class:`Unified`; only one negative per anchor gets gradient.
+    """
+
+    anchors_only = True
+
+    def __init__(self, margin: float = 0.2):
+        super().__init__()
+        if margin < 0:
+            raise ValueError(f"TripletHN needs margin >= 0, got {margin}")
+        self.margin = margin
+
+    def rows(self, sim, targets, ignore=None):
+        return functional.triplet_hn_rows(sim, self.margin, targets, ignore)
+
+    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+        return functional.triplet_hn_loss(sim, self.margin, positives)
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}"
+
+
+BaseLoss = InfoNCE | Unified | TripletHN
+
+
+# ----------------------------------------------------------------------- losses over a batch
+
+
+class BatchLoss(nn.Module):
+    """A loss over the global batch of all workers.
+
+    Args:
+        local_loss: score only this worker's rows against the global batch (O(B_local × B)).
+        rank, world_size: this worker's place in the default process group.
+    """
+
+    def __init__(self, *, local_loss: bool = False, rank: int = 0, world_size: int = 1):
+        super().__init__()
+        self.local_loss, self.rank, self.world_size = local_loss, rank, world_size
+
+    def gather(self, features: dict[str, torch.Tensor | None]) -> GlobalBatch:
+        """Normalise (float32, L2) and gather every feature once; integer ids pass unchanged."""
+        prepared = {k: F.normalize(functional.fp32(v), dim=-1) if v is not None and v.is_floating_point() else v
+                    for k, v in features.items()}
+        return gather_batch(prepared, local_loss=self.local_loss, rank=self.rank, world_size=self.world_size)
+
+    def forward(self, **features: torch.Tensor | None):
+        return self.loss(self.gather(features))
+
+    def loss(self, batch: GlobalBatch):
+        raise NotImplementedError
+
+
+def _group_positives(batch: GlobalBatch) -> torch.Tensor | None:
+    groups = batch.get("group_ids")
+    return None if groups is None else batch.rows("group_ids")[:, None] == groups[None, :]
+
+
+class ImageTextLoss(BatchLoss):
+    """A base loss over the image↔text similarity matrix, both directions summed.
+
+    Inputs: ``image``, ``text`` [B, d] and optional ``group_ids`` [B] (pairs with equal ids
+    are positives of each other). Row i's anchor is column i of the global batch.
+    """
+
+    def __init__(self, base: BaseLoss, **kwargs):
+        super().__init__(**kwargs)
+        self.base = base
+
+    def loss(self, batch: GlobalBatch) -> torch.Tensor:
+        image, text = batch.rows("image"), batch.rows("text")
+        columns = batch.columns["text"].shape[0]
+        anchors = torch.zeros(image.shape[0], columns, dtype=torch.bool, device=image.device)
+        anchors[torch.arange(image.shape[0]), batch.first_row + torch.arange(image.shape[0])] = True
+        targets, ignore = functional.split_positives(anchors, _group_positives(batch), self.base.anchors_only)
+        i2t = self.base.rows(image @ batch.columns["text"].T, targets, ignore)
+        t2i = self.base.rows(text @ batch.columns["image"].T, targets, ignore)
+        return i2t.mean() + t2i.mean()
+
+
+class GCLLoss(BatchLoss):
+    """Generalized Contrastive Learning (Lee et al., NeurIPS 2025, arXiv 2509.25638).
+
+    The base loss over the 3N×3N similarity matrix of image, text and fused embeddings: each
+    query's positives are the same pair's other two embeddings, every other key of the batch
+    is a negative; the query itself (``mask_self``) and other pairs of the same group are left
+    out. With :class:`InfoNCE` this is :func:`~pairsim.losses.functional.gcl_loss`; with
+    :class:`Unified` the margin and γ apply to the same matrix. Inputs: ``image``, ``text``,
+    ``fused`` [B, d], optional ``group_ids``. Costs 9× the logits of :class:`ImageTextLoss`.
+    """
+
+    MODALITIES = ("image", "text", "fused")
+
+    def __init__(self, base: BaseLoss, mask_self: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.base, self.mask_self = base, mask_self
+
+    def loss(self, batch: GlobalBatch) -> torch.Tensor:
+        names = [m for m in self.MODALITIES if m in batch.columns]
+        keys = torch.cat([batch.columns[m] for m in names])
+        queries = torch.cat([batch.rows(m) for m in names])
+        n_keys, n_rows = batch.columns["image"].shape[0], batch.rows("image").shape[0]
+        key_pairs, key_modality = functional.gcl_layout(n_keys, len(names), keys.device)
+        row_pairs, row_modality = functional.gcl_layout(n_rows, len(names), keys.device)
+        groups = batch.get("group_ids")
+        row_groups = None if groups is None else batch.rows("group_ids").repeat(len(names))
+        key_groups = None if groups is None else groups.repeat(len(names))
+        targets, ignore = functional.gcl_masks(row_pairs + batch.first_row, row_modality, row_groups,
+                                               key_pairs, key_modality, key_groups, self.mask_self)
+        return self.base.rows(queries @ keys.T, targets, ignore).mean()
+
+
+class CUSALoss(BatchLoss):
+    """CUSA soft-label terms (Huang et al., AAAI 2024, arXiv 2403.05261); returns (CSA, USA).
+
+    Teacher similarities u_ij = cos(teacher_i, teacher_j) give soft labels Q = softmax(u/τ_T).
+    CSA aligns the cross-modal similarities (``image``, ``text``) with them at τ_c; USA aligns
+    the uni-modal heads' similarities (``image_unimodal``, ``text_unimodal``) at τ_img, τ_txt.
+    Inputs also ``teacher_image``, ``teacher_text`` [B, d_teacher]. Defaults are the authors'
+    code: τ_c, τ_img, τ_txt learnable, init 0.45, clamped to [0.1, 1.0]; τ_T = 1 fixed.
+    """
+
+    def __init__(self, cross_temperature: Temperature | None = None, image_temperature: Temperature | None = None,
+                 text_temperature: Temperature | None = None, teacher_temperature: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.cross_temperature = cross_temperature or Temperature(0.45, 0.1, 1.0)
+        self.image_temperature = image_temperature or Temperature(0.45, 0.1, 1.0)
+        self.text_temperature = text_temperature or Temperature(0.45, 0.1, 1.0)
+        self.teacher_temperature = teacher_temperature
+
+    def _teacher(self, batch: GlobalBatch, modality: str) -> torch.Tensor:
+        name = f"teacher_{modality}"
+        return batch.rows(name) @ batch.columns[name].T / self.teacher_temperature
+
+    def loss(self, batch: GlobalBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        teacher_image, teacher_text = self._teacher(batch, "image"), self._teacher(batch, "text")
+        cross, kl = self.cross_temperature(), functional.kl_rows
+        csa = 0.5 * (kl(teacher_image, batch.rows("image") @ batch.columns["text"].T / cross).mean()
+                     + kl(teacher_text, batch.rows("text") @ batch.columns["image"].T / cross).mean())
+        usa = 0.5 * (kl(teacher_image, batch.rows("image_unimodal") @ batch.columns["image_unimodal"].T
+                        / self.image_temperature()).mean()
+                     + kl(teacher_text, batch.rows("text_unimodal") @ batch.columns["text_unimodal"].T
+                          / self.text_temperature()).mean())
+        return csa, usa
+
+
+class Objective(BatchLoss):
+    """base + α·CSA + β·USA over one gather of the model's outputs.
+
+    ``forward(image, text, fused=None, image_unimodal=None, text_unimodal=None, group_ids=None,
+    teacher_image=None, teacher_text=None)`` returns a dict: ``loss`` (the total, to backprop),
+    ``loss/base``, ``loss/csa``, ``loss/usa`` and each temperature (``temperature/...``), the
+    parts detached. Raises ``FloatingPointError`` naming the term if any is NaN or infinite.
+    """
+
+    def __init__(self, structure: ImageTextLoss | GCLLoss, cusa: CUSALoss | None = None,
+                 alpha: float = 0.1, beta: float = 0.5, **kwargs):
+        super().__init__(**kwargs)
+        self.structure, self.cusa, self.alpha, self.beta = structure, cusa, alpha, beta
+
+    @property
+    def needs(self) -> set[str]:
+        """Model outputs and batch fields this objective reads."""
+        needed = {"image", "text"}
+        if isinstance(self.structure, GCLLoss):
+            needed.add("fused")
+        if self.cusa is not None:
+            needed |= {"image_unimodal", "text_unimodal", "teacher_image", "teacher_text"}
+        return needed
+
+    def forward(self, **features: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return self.loss(self.gather({k: v for k, v in features.items() if k in self.needs | {"group_ids"}}))
+
+    def loss(self, batch: GlobalBatch) -> dict[str, torch.Tensor]:
+        base = self.structure.loss(batch)
+        terms = {"loss/base": base}
+        total = base
+        if self.cusa is not None:
+            csa, usa = self.cusa.loss(batch)
+            terms |= {"loss/csa": csa, "loss/usa": usa}
+            total = base + self.alpha * csa + self.beta * usa
+        bad = {k: float(v) for k, v in terms.items() if not torch.isfinite(v)}
+        if bad:
+            raise FloatingPointError(f"non-finite loss terms {bad}; stopping the step")
+        return {"loss": total} | {k: v.detach() for k, v in terms.items()} | self.temperatures()
+
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        """The clamped temperatures in use, detached, for logging."""
+        temps = {}
+        if isinstance(self.structure.base, InfoNCE):
+            temps["temperature/base"] = self.structure.base.temperature()
+        if self.cusa is not None:
+            for name in ("cross", "image", "text"):
+                temps[f"temperature/{name}"] = getattr(self.cusa, f"{name}_temperature")()
+        return {k: v.detach() for k, v in temps.items()}
+
+
+def build_base(cfg: LossConfig) -> BaseLoss:
+    if cfg.base == "infonce":
+        return InfoNCE(Temperature.from_config(cfg.temperature))
+    if cfg.base == "unified":
+        return Unified(cfg.margin, cfg.gamma)
+    return TripletHN(cfg.margin)
+
+
+def build_objective(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> Objective:
+    """The objective a :class:`~pairsim.config.LossConfig` describes."""
+    dist = {"local_loss": cfg.local_loss, "rank": rank, "world_size": world_size}
+    base = build_base(cfg)
+    structure = GCLLoss(base, cfg.gcl_mask_self, **dist) if cfg.structure == "gcl" else ImageTextLoss(base, **dist)
+    if cfg.cusa is None:
+        return Objective(structure, **dist)
+    c = cfg.cusa
+    cusa = CUSALoss(Temperature.from_config(c.cross_temperature), Temperature.from_config(c.image_temperature),
+                    Temperature.from_config(c.text_temperature), c.teacher_temperature, **dist)
+    return Objective(structure, cusa, c.alpha, c.beta, **dist)
