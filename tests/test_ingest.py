@@ -107,13 +107,28 @@ def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance,
     ray.kill(ledger)
 
 
+def train_rows(root, n):
+    batch = pq.read_table(shards.split_files(root, "train")[0]).slice(0, n).to_pydict()
+    return {k: np.asarray(v, dtype=object) for k, v in batch.items()}
+
+
+def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
+    cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": 3}})
+    batch = train_rows(tiny_dataset, 8)
+    out = data.TrainPreprocess(cfg, "unused-ledger")(batch)
+    assert out["pixels"].shape[0] == out["tokens"].shape[0] == 24
+    groups, picks = out["group_ids"].reshape(8, 3), out["caption_index"].reshape(8, 3)
+    assert (groups == groups[:, :1]).all() and len(set(groups[:, 0])) == 8
+    assert all(len(set(row)) == 3 for row in picks)  # 5 captions each: 3 distinct draws
+    np.testing.assert_array_equal(groups[:, 0], data.group_ids(batch["image_id"]))
+
+
 def test_caption_draws_differ_between_the_copies_ray_ships_to_tasks(tiny_dataset):
     import pickle
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)}})
-    preprocess = data.TrainPreprocess(data._decoder(cfg, True, "unused-ledger"), cfg.model.arch)
-    batch = pq.read_table(shards.split_files(tiny_dataset, "train")[0]).slice(0, 32).to_pydict()
-    batch = {k: np.asarray(v, dtype=object) for k, v in batch.items()}
+    preprocess = data.TrainPreprocess(cfg, "unused-ledger")
+    batch = train_rows(tiny_dataset, 32)
     draws = [pickle.loads(pickle.dumps(preprocess))(batch)["tokens"] for _ in range(2)]
     assert draws[0].shape == (32, 32)
     # 32 images × 5 captions: two independent draws agree on every image with chance 5^-32

@@ -9,6 +9,16 @@ from pathlib import Path
 from pairsim.config import ConfigError, RunConfig, load_config
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
+OBJECTIVES = Path(__file__).parent / "configs" / "objectives"
+
+
+def objective_config(name: str) -> Path:
+    """A shipped objective preset (``configs/objectives/<name>.yaml``) to layer on a run config."""
+    path = OBJECTIVES / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))
+        raise ConfigError(f"--objective: unknown objective {name!r} (shipped: {', '.join(known)})")
+    return path
 
 
 def results_table(metrics: dict[str, float], prefix: str = "val/") -> str:
@@ -33,8 +43,8 @@ def _train(cfg: RunConfig) -> None:
     print(f"checkpoint: {result.checkpoint_path}")
 
 
-def _demo(overrides: list[str]) -> None:
-    cfg = load_config(DEMO_CONFIG, overrides)
+def _demo(objective: str | None, overrides: list[str]) -> None:
+    cfg = load_config([DEMO_CONFIG] + ([objective_config(objective)] if objective else []), overrides)
     from pairsim import shards, synth
 
     try:
@@ -51,10 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     set_help = "dotted override, e.g. --set loss.margin=0.3 (repeatable)"
 
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
+    demo.add_argument("--objective", help="layer a shipped objective preset: unified, gcl_infonce, gcl_unified, "
+                                           "cusa_unified")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
     train = sub.add_parser("train", help="train from a YAML run config")
-    train.add_argument("--config", type=Path, required=True)
+    train.add_argument("--config", type=Path, action="append", required=True,
+                       help="YAML run config; repeat to layer files left to right")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
@@ -73,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "demo":
-            _demo(args.overrides)
+            _demo(args.objective, args.overrides)
         elif args.command == "train":
             _train(load_config(args.config, args.overrides))
         elif args.command == "data":

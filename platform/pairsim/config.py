@@ -256,26 +256,38 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load YAML (or the defaults when ``path`` is None), apply overrides, validate.
+def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``overlay`` on ``base``: sections merge key by key, other values replace."""
+    out = dict(base)
+    for key, value in overlay.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+    return loaded or {}
+
+
+def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML (one file, several layered left to right, or the defaults when ``path`` is
+    None), apply overrides, validate.
 
     Raises :class:`ConfigError` naming every bad or unknown dotted key at once.
     """
+    paths = [] if path is None else [Path(p) for p in (path if isinstance(path, list) else [path])]
     tree: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-        tree = loaded or {}
+    for p in paths:
+        tree = merge(tree, _read_yaml(p))
     tree = apply_overrides(tree, overrides or [])
+    source = " + ".join(str(p) for p in paths) or "defaults"
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:

@@ -1,4 +1,5 @@
-"""open_clip models: any registered architecture by name, plus pairsim's own small ones.
+"""open_clip models: any registered architecture by name, plus pairsim's own small ones,
+wrapped as a :class:`RetrievalModel` with a fusion module and optional heads.
 
 pairsim ships ``pairsim-tiny`` (64 px ViT, 3+3 layers, d=128) for tests and the demo; it is
 registered in open_clip's model registry on import, so ``open_clip.create_model_and_transforms(
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import open_clip
 import torch
+import torch.nn.functional as F
 from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
 from pairsim.config import ConfigError, ModelConfig
@@ -82,3 +84,71 @@ def save_open_clip_weights(state_dict: dict[str, torch.Tensor], path: str | Path
         weights[key] = weights[key].reshape(())
     torch.save(weights, path)
     return path
+
+
+class ScoreSumFusion(torch.nn.Module):
+    """The fused image+text embedding of UniIR's CLIP-SF (score fusion), as GCL uses for dual
+    encoders: normalize(normalize(image) + normalize(text))."""
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return F.normalize(F.normalize(image, dim=-1) + F.normalize(text, dim=-1), dim=-1)
+
+
+# Fusion modules by ``model.fusion`` name: each maps (image [B, d], text [B, d]) to fused [B, d].
+# A model with a native fused encoder (VISTA-like) registers its own here.
+FUSIONS: dict[str, type[torch.nn.Module]] = {"score_sum": ScoreSumFusion}
+
+
+def projection_head(dim: int) -> torch.nn.Sequential:
+    """LayerNorm + Linear(d, d): CUSA's per-tower head."""
+    return torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim))
+
+
+class RetrievalModel(torch.nn.Module):
+    """An open_clip model plus the pieces pairsim's objectives read.
+
+    ``forward(image=None, text=None)`` returns a dict with ``image`` and ``text`` (cross-modal
+    embeddings, after the optional cross-modal heads), ``fused`` (when both are given) and
+    ``image_unimodal`` / ``text_unimodal`` (when uni-modal heads exist). open_clip's own
+    ``logit_scale`` is frozen: the losses own their temperatures and scales.
+
+    The open_clip forward is what runs (not ``encode_*`` alone), so DeepSpeed ZeRO-3 gathers the
+    parameters the CLIP module holds directly (positional embedding, text projection).
+    """
+
+    def __init__(self, clip: torch.nn.Module, dim: int, fusion: str = "score_sum", crossmodal_heads: bool = False,
+                 unimodal_heads: bool = False):
+        super().__init__()
+        self.clip = clip
+        for name in SCALAR_PARAMS:
+            if isinstance(getattr(clip, name, None), torch.nn.Parameter):
+                getattr(clip, name).requires_grad_(False)
+        self.fusion = FUSIONS[fusion]()
+        self.cross_heads = torch.nn.ModuleDict(
+            {"image": projection_head(dim), "text": projection_head(dim)}) if crossmodal_heads else None
+        self.unimodal_heads = torch.nn.ModuleDict(
+            {"image": projection_head(dim), "text": projection_head(dim)}) if unimodal_heads else None
+
+    def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        clip_out = self.clip(image=image, text=text)
+        out = {}
+        for modality, features in (("image", clip_out.get("image_features")), ("text", clip_out.get("text_features"))):
+            if features is None:
+                continue
+            out[modality] = self.cross_heads[modality](features) if self.cross_heads is not None else features
+            if self.unimodal_heads is not None:
+                out[f"{modality}_unimodal"] = self.unimodal_heads[modality](features)
+        if image is not None and text is not None:
+            out["fused"] = self.fusion(out["image"], out["text"])
+        return out
+
+
+def create_retrieval_model(cfg: ModelConfig, unimodal_heads: bool = False) -> RetrievalModel:
+    """The configured open_clip model with its fusion and heads (uni-modal heads for CUSA)."""
+    dim = open_clip.get_model_config(cfg.arch)["embed_dim"]
+    return RetrievalModel(create_model(cfg), dim, cfg.fusion, cfg.crossmodal_heads, unimodal_heads)
+
+
+def open_clip_state(state_dict: dict[str, torch.Tensor], prefix: str = "clip.") -> dict[str, torch.Tensor]:
+    """The open_clip part of a :class:`RetrievalModel` state dict, with open_clip's own key names."""
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}

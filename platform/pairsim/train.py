@@ -27,18 +27,36 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import data, evaluate, models, shards, tracking
+from pairsim import data, evaluate, models, shards, teachers, tracking
 from pairsim.config import ConfigError, RunConfig
-from pairsim.losses import UnifiedLoss
+from pairsim.losses import Objective, build_objective
 
 CHECKPOINT_TAG = "deepspeed"
 WEIGHTS_FILE = "open_clip_weights.pt"
+HEADS_FILE = "pairsim_heads.pt"
+
+
+class TrainingModule(torch.nn.Module):
+    """What the DeepSpeed engine wraps: the retrieval model and the objective, whose learnable
+    temperatures train (and are partitioned by ZeRO) with the model.
+
+    ``forward(image, text)`` returns the model's embeddings; given the batch's ``group_ids``
+    (and teacher embeddings for CUSA) it returns the objective's loss terms instead.
+    """
+
+    def __init__(self, model: models.RetrievalModel, objective: Objective):
+        super().__init__()
+        self.model, self.objective = model, objective
+
+    def forward(self, image=None, text=None, **batch) -> dict[str, torch.Tensor]:
+        features = self.model(image=image, text=text)
+        return self.objective(**features, **batch) if batch else features
 
 
 def steps_per_epoch(cfg: RunConfig) -> int:
     """Global steps in one epoch over the train split (the last partial global batch is dropped)."""
     images = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]["images"]
-    return images // (cfg.train.micro_batch_size * cfg.train.num_workers)
+    return images * cfg.data.pairs_per_image // (cfg.train.micro_batch_size * cfg.train.num_workers)
 
 
 def deepspeed_config(cfg: RunConfig, total_steps: int) -> dict[str, Any]:
@@ -99,12 +117,27 @@ def say(message: str) -> None:
     print(f"[pairsim] {message}", file=sys.__stdout__, flush=True)
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().clone()
+def _mean_over_ranks(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    stacked = torch.stack([v.detach().float().reshape(()) for v in values.values()])
     if dist.is_initialized():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return float(value)
+        dist.all_reduce(stacked)
+        stacked /= dist.get_world_size()
+    return dict(zip(values, stacked.tolist()))
+
+
+def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, teachers.Teacher],
+                       device) -> dict[str, torch.Tensor]:
+    """``teacher_image`` / ``teacher_text`` of a batch: extracted ones as they come, live ones
+    embedded here from the teacher inputs the pipeline prepared."""
+    out = {}
+    for modality in teachers.MODALITIES:
+        key = f"teacher_{modality}"
+        if key in batch:
+            out[key] = batch[key].to(device)
+        elif modality in live:
+            inputs = {k.split(".", 1)[1]: v for k, v in batch.items() if k.startswith(key + ".")}
+            out[key] = live[modality].embed(inputs, device)
+    return out
 
 
 def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
@@ -120,12 +153,12 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
                 batch_size=cfg.eval.batch_size, batch_format="numpy"):
             if len(batch["image_id"]):
                 pixels = torch.from_numpy(batch["pixels"]).to(engine.device, dtype)
-                images.append(engine(image=pixels)["image_features"].float().cpu())
+                images.append(engine(image=pixels)["image"].float().cpu())
                 image_ids.append(batch["image_id"])
         for batch in ray.train.get_dataset_shard("val_texts").iter_batches(
                 batch_size=cfg.eval.batch_size, batch_format="numpy"):
             tokens = torch.from_numpy(batch["tokens"]).to(engine.device)
-            texts.append(engine(text=tokens)["text_features"].float().cpu())
+            texts.append(engine(text=tokens)["text"].float().cpu())
             text_ids.append(batch["image_id"])
     engine.train()
     return torch.cat(images), np.concatenate(image_ids), torch.cat(texts), np.concatenate(text_ids)
@@ -199,14 +232,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg.train.seed)
 
-    model = models.create_model(cfg.model)
-    model.logit_scale.requires_grad_(False)  # the Unified loss has its own fixed scale γ
+    module = TrainingModule(models.create_retrieval_model(cfg.model, unimodal_heads=cfg.loss.cusa is not None),
+                            build_objective(cfg.loss, rank, world))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=parameter_groups(model, cfg.optim.weight_decay),
+        model=module, model_parameters=parameter_groups(module, cfg.optim.weight_decay),
         config=loop_config["deepspeed_config"])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-    loss_fn = UnifiedLoss(cfg.loss.margin, cfg.loss.gamma, local_loss=cfg.loss.local_loss,
-                          rank=rank, world_size=world)
+    live_teachers = teachers.build_teachers(cfg) if cfg.loss.cusa and not cfg.loss.cusa.teacher_features else {}
     start_epoch, step = restore(engine)
     if rank == 0 and step:
         say(f"resumed from checkpoint: epoch {start_epoch + 1}, step {step}")
@@ -223,22 +255,26 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         timer = StepTimer(cfg.train.micro_batch_size * world)
         for epoch_step, batch in enumerate(data.equal_steps(batches), start=1):
             timer.batch_ready()
-            out = engine(image=batch["pixels"].to(engine.device, dtype), text=batch["tokens"].to(engine.device))
-            loss = loss_fn(out["image_features"], out["text_features"])
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss.item()} at epoch {epoch + 1} step {step + 1}; stopping")
+            try:
+                out = engine(image=batch["pixels"].to(engine.device, dtype), text=batch["tokens"].to(engine.device),
+                             group_ids=batch["group_ids"].to(engine.device),
+                             **teacher_embeddings(batch, live_teachers, engine.device))
+            except FloatingPointError as exc:
+                raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
+            loss = out["loss"]
             engine.backward(loss)
             engine.step()
             step += 1
             timer.step_done()
             if step % cfg.train.log_every_n_steps == 0:
-                mean_loss, rate = _mean_over_ranks(loss), timer.window_rate()
+                logged = _mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
+                rate = timer.window_rate()
                 if logger:
                     lr = engine.get_lr()[0]
-                    logger.log_metrics({"train/loss": mean_loss, "train/lr": lr, "train/samples_per_s": rate,
-                                        "train/epoch": epoch + epoch_step / max(per_epoch, 1)}, step)
+                    logger.log_metrics(logged | {"train/lr": lr, "train/samples_per_s": rate,
+                                                 "train/epoch": epoch + epoch_step / max(per_epoch, 1)}, step)
                     say(f"epoch {epoch + 1}/{cfg.train.epochs} step {step} "
-                        f"loss {mean_loss:.4f} lr {lr:.2e} {rate:.0f} samples/s")
+                        f"loss {logged['train/loss']:.4f} lr {lr:.2e} {rate:.0f} samples/s")
 
         metrics = validate(engine, cfg, dtype, ledger, logger, step)
         if logger:
@@ -253,8 +289,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     state = full_state_dict(engine)
     if logger:
         with tempfile.TemporaryDirectory() as tmp:
-            path = models.save_open_clip_weights(state, Path(tmp) / WEIGHTS_FILE)
+            path = models.save_open_clip_weights(models.open_clip_state(state, "model.clip."), Path(tmp) / WEIGHTS_FILE)
             logger.log_artifact(path, "model")
+            heads = {k: v for k, v in state.items() if k.startswith("model.") and not k.startswith("model.clip.")}
+            if heads:  # cross-modal / uni-modal heads, keyed as in RetrievalModel
+                torch.save(heads, Path(tmp) / HEADS_FILE)
+                logger.log_artifact(Path(tmp) / HEADS_FILE, "model")
 
 
 @dataclass
@@ -274,6 +314,7 @@ def check_ready(cfg: RunConfig) -> None:
             shards.split_files(cfg.data.path, split)
     except FileNotFoundError as exc:
         raise ConfigError(f"data.path: {exc}") from None
+    teachers.check_teachers(cfg)
     if steps_per_epoch(cfg) < 1:
         raise ConfigError(
             f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers is larger "
