@@ -76,11 +76,11 @@ def test_saved_weights_load_back_into_open_clip(zero2_runs):
     _, resumed, client = zero2_runs
     weights = artifact_file(client, resumed.mlflow_run_id, "model/open_clip_weights.pt")
     model, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(weights))
-    # the exported weights are the final DeepSpeed checkpoint's
+    # the exported weights are the final DeepSpeed checkpoint's (the engine wraps model.clip)
     module = torch.load(Path(resumed.checkpoint_path) / "deepspeed" / "mp_rank_00_model_states.pt",
                         map_location="cpu", weights_only=False)["module"]
     for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(tensor, module[name].reshape(tensor.shape), msg=name)
+        torch.testing.assert_close(tensor, module["model.clip." + name].reshape(tensor.shape), msg=name)
 
 
 def test_resumed_run_continues_at_the_next_step_with_its_optimizer_state(zero2_runs):
