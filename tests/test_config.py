@@ -86,3 +86,38 @@ def test_unknown_architecture_is_named(tmp_path, tiny_dataset, capsys):
     path = write(tmp_path, {"data": {"path": str(tiny_dataset)}, "model": {"arch": "ViT-Nope"}})
     assert main(["train", "--config", str(path)]) == 2
     assert "model.arch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override,field", [
+    ("loss.temperature.init=-0.1", "loss.temperature.init"),
+    ("loss.cusa={image_teacher: {kind: initial_student}, cross_temperature: {init: -1}}",
+     "loss.cusa.cross_temperature.init"),
+    ("loss.gamma=0", "loss.gamma"),
+    ("loss.gamma=-5", "loss.gamma"),
+    ("loss.base=circle", "loss.base"),
+    ("loss.structure=triangle", "loss.structure"),
+    ("loss.cusa={alpha: 0.1}", "loss.cusa"),
+    ("loss.cusa={image_teacher: {kind: unicom}}", "loss.cusa.image_teacher.kind"),
+    ("loss.cusa={image_teacher: {kind: open_clip, arch: ViT-B-32}}", "loss.cusa.image_teacher"),
+    ("loss.temperature={init: 0.5, min: 0.01, max: 0.1}", "loss.temperature"),
+])
+def test_bad_loss_settings_are_rejected_naming_the_field(override, field):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, [override])
+    assert any(line.strip().startswith(field + ":") or line.strip().startswith(field + " ")
+               for line in str(exc.value).splitlines()), str(exc.value)
+
+
+def test_cusa_without_a_teacher_is_rejected_with_its_remedy():
+    with pytest.raises(ConfigError, match=r"loss\.cusa: .*CUSA needs teachers: set image_teacher"):
+        load_config(None, ["loss.cusa={alpha: 0.1}"])
+    # teacher features from disk replace live teachers
+    assert load_config(None, ["loss.cusa={teacher_features: /data/teacher}"]).loss.cusa.image_teacher is None
+
+
+def test_config_files_layer_left_to_right(tmp_path):
+    base = write(tmp_path, {"loss": {"margin": 0.1, "gamma": 30}, "train": {"epochs": 2}})
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(yaml.safe_dump({"loss": {"structure": "gcl", "gamma": 40}}))
+    cfg = load_config([base, overlay], ["loss.margin=0.3"])
+    assert (cfg.loss.structure, cfg.loss.gamma, cfg.loss.margin, cfg.train.epochs) == ("gcl", 40, 0.3, 2)

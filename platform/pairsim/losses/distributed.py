@@ -10,7 +10,7 @@ gradient of the loss on the global batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class GlobalBatch:
     columns: dict[str, torch.Tensor]
     row_offset: int  # global index of the first row in ``rows``
     local_loss: bool
+    _similarities: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def rows(self, name: str) -> torch.Tensor:
         """The rows this worker scores: its own (``local_loss``) or all of them."""
@@ -46,6 +47,13 @@ class GlobalBatch:
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.columns.get(name)
+
+    def similarity(self, rows: str, columns: str) -> torch.Tensor:
+        """rows(``rows``) @ columns[``columns``]ᵀ, computed once per step for all loss terms."""
+        key = (rows, columns)
+        if key not in self._similarities:
+            self._similarities[key] = self.rows(rows) @ self.columns[columns].T
+        return self._similarities[key]
 
 
 def gather_batch(features: dict[str, torch.Tensor | None], *, local_loss: bool, rank: int,

@@ -6,9 +6,10 @@ diagonal is always a positive and off-diagonal positives are never counted as ne
 Results are means over anchors with both retrieval directions summed. Inputs of any float
 dtype are computed in float32 at least (float64 stays float64).
 
-Every loss is built on a *row* function over a similarity block ``sim`` [R, C] with two bool
-masks of the same shape: ``targets`` (each row's positives) and ``ignore`` (keys that are
-neither positives nor negatives, left out of every sum). Rows are what the distributed
+Every loss is built on a *row* function over a similarity block ``sim`` [R, C] with
+``targets`` (each row's positives: a bool mask [R, C], or one column index per row [R]) and
+``ignore`` (an optional bool mask [R, C] of keys that are neither positives nor negatives,
+left out of every sum). Rows are what the distributed
 modules compute when each worker scores only its own rows (``local_loss``).
 """
 
@@ -23,30 +24,53 @@ def fp32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """``x`` with masked entries at the dtype's lowest finite value: they vanish from softmaxes
-    and maxima, and an all-masked row stays finite (so do its gradients) rather than NaN."""
-    return x if mask is None else x.masked_fill(mask, torch.finfo(x.dtype).min)
+def _lowest(x: torch.Tensor) -> float:
+    return torch.finfo(x.dtype).min
 
 
-def _mean_over_targets(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-row mean of ``values`` [K] given at ``targets.nonzero()`` (row-major order); [R]."""
-    rows = targets.nonzero(as_tuple=True)[0]
+def _masked_(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` with masked entries set, in place, to the dtype's lowest finite value: they vanish
+    from softmaxes and maxima, and an all-masked row stays finite (so do its gradients) rather
+    than NaN. Only for a fresh ``x`` that autograd has not saved."""
+    return x if mask is None else x.masked_fill_(mask, _lowest(x))
+
+
+def _exclude_(x: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_masked_` of the targets and the ignored keys: what is left are the negatives."""
+    if targets.dtype == torch.bool:
+        x.masked_fill_(targets, _lowest(x))
+    else:
+        x.scatter_(1, targets[:, None], _lowest(x))
+    return _masked_(x, ignore)
+
+
+def _at_targets(x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` at every target [K], the row of each [K]). ``targets`` is a bool mask [R, C] or,
+    for one target per row, its column index [R] (a gather: no mask, no scan)."""
+    if targets.dtype == torch.bool:
+        return x[targets], targets.nonzero(as_tuple=True)[0]
+    return x.gather(1, targets[:, None]).squeeze(1), torch.arange(x.shape[0], device=x.device)
+
+
+def _mean_per_row(values: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row mean of ``values`` [K] over each row's targets; [R]."""
+    if targets.dtype != torch.bool:
+        return values
     sums = torch.zeros(targets.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
     return sums / targets.sum(1).clamp(min=1)
 
 
 def split_positives(anchors: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool):
-    """(targets, ignore) for a block whose pairs' own anchors are ``anchors`` and whose further
-    positives (pairs sharing an image id) are ``positives``.
+    """(targets, ignore) for rows whose own pair sits in column ``anchors`` [R] and whose further
+    positives (pairs sharing an image id) are marked in ``positives`` [R, C].
 
     ``anchors_only`` (margin losses): the anchors are the targets and further positives are
     ignored. Otherwise (InfoNCE) every positive is a target.
     """
     if positives is None:
         return anchors, None
-    positives = positives | anchors
-    return (anchors, positives & ~anchors) if anchors_only else (positives, None)
+    anchor_mask = torch.zeros_like(positives).scatter_(1, anchors[:, None], True)
+    return (anchors, positives & ~anchor_mask) if anchors_only else (positives | anchor_mask, None)
 
 
 # ---------------------------------------------------------------------------------------- rows
@@ -57,8 +81,11 @@ def infonce_rows(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.
     """Per-row cross-entropy of ``softmax(scale · sim[r, ~ignore])`` against a target uniform
     over the row's ``targets``: −mean_{t ∈ T(r)} log softmax(scale · sim[r])_t. Returns [R]."""
     sim = fp32(sim)
-    log_p = F.log_softmax(_masked(scale * sim, ignore), dim=1)
-    return _mean_over_targets(-log_p[targets], targets)
+    if targets.dtype != torch.bool:  # one target per row: the fused cross-entropy kernel
+        return F.cross_entropy(_masked_(sim * scale, ignore), targets, reduction="none")
+    log_p = F.log_softmax(_masked_(sim * scale, ignore), dim=1)
+    values, rows = _at_targets(log_p, targets)
+    return _mean_per_row(-values, rows, targets)
 
 
 def unified_rows(sim: torch.Tensor, margin: float, gamma: float, targets: torch.Tensor,
@@ -68,14 +95,20 @@ def unified_rows(sim: torch.Tensor, margin: float, gamma: float, targets: torch.
         (1/γ) log(1 + Σ_{k ∈ N(r)} exp(γ(s_rk − s_rt + m))),   N(r) = not target, not ignored.
 
     Computed as softplus(logsumexp_k γ(s_rk + m) − γ s_rt) / γ — a logsumexp with a zero term —
-    so loss and gradient stay finite in float32 up to γ = 1000 and beyond. Returns [R].
+    so loss and gradient stay finite in float32 up to γ = 1000 and beyond. With one target per
+    row this equals −log_softmax(z)_t / γ for z = γ(s_r + m) with z_t = γ s_rt, which runs as
+    the fused cross-entropy kernel. Returns [R].
     """
     sim = fp32(sim)
-    not_negative = targets if ignore is None else targets | ignore
-    lse = torch.logsumexp(_masked(gamma * (sim + margin), not_negative), dim=1)  # [R]
-    rows = targets.nonzero(as_tuple=True)[0]
-    terms = F.softplus(lse[rows] - gamma * sim[targets], beta=1.0, threshold=20.0) / gamma
-    return _mean_over_targets(terms, targets)
+    if targets.dtype != torch.bool:
+        logits = (sim + margin).mul_(gamma)
+        logits.scatter_add_(1, targets[:, None], logits.new_full((targets.shape[0], 1), -gamma * margin))
+        return F.cross_entropy(_masked_(logits, ignore), targets, reduction="none") / gamma
+    # one [R, C] temporary: (s + m) · γ and the masks are applied in place
+    lse = torch.logsumexp(_exclude_((sim + margin).mul_(gamma), targets, ignore), dim=1)  # [R]
+    positive, rows = _at_targets(sim, targets)
+    terms = F.softplus(lse[rows] - gamma * positive, beta=1.0, threshold=20.0) / gamma
+    return _mean_per_row(terms, rows, targets)
 
 
 def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
@@ -83,27 +116,31 @@ def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
     """Per-row hardest-negative triplet loss (VSE++), each target an anchor: mean over t ∈ T(r)
     of [max_{k ∈ N(r)} s_rk − s_rt + m]_+. Returns [R]."""
     sim = fp32(sim)
-    not_negative = targets if ignore is None else targets | ignore
-    hardest = _masked(sim, not_negative).max(dim=1).values  # [R]
-    rows = targets.nonzero(as_tuple=True)[0]
-    return _mean_over_targets((hardest[rows] - sim[targets] + margin).clamp(min=0), targets)
+    hardest = _exclude_(sim.clone(), targets, ignore).max(dim=1).values  # [R]
+    positive, rows = _at_targets(sim, targets)
+    return _mean_per_row((hardest[rows] - positive + margin).clamp(min=0), rows, targets)
 
 
-def kl_rows(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(softmax(teacher) ‖ softmax(student)) = Σ_j Q_j (log Q_j − log P_j). Returns [R]."""
-    log_q = F.log_softmax(fp32(teacher_logits), dim=1)
+def kl_rows(teacher_log_probs: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(Q ‖ softmax(student)) = Σ_j Q_j (log Q_j − log P_j), with the teacher given as
+    log-probabilities log Q (computed once per step and shared by every term). Returns [R]."""
     log_p = F.log_softmax(fp32(student_logits), dim=1)
-    return (log_q.exp() * (log_q - log_p)).sum(1)
+    return F.kl_div(log_p, teacher_log_probs, reduction="none", log_target=True).sum(1)
+
+
+def soft_labels(teacher_sim: torch.Tensor, teacher_temperature: float = 1.0) -> torch.Tensor:
+    """CUSA's soft labels as log-probabilities: log softmax_j(u_ij / τ_T), no gradient."""
+    return F.log_softmax(fp32(teacher_sim).detach() / teacher_temperature, dim=1)
 
 
 # ------------------------------------------------------------------------------- image ↔ text
 
 
 def _both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool):
-    anchors = torch.eye(sim.shape[0], dtype=torch.bool, device=sim.device)
-    targets, ignore = split_positives(anchors, positives, anchors_only)
-    transpose = None if ignore is None else ignore.T
-    return rows_fn(sim, targets, ignore).mean() + rows_fn(sim.T, targets.T, transpose).mean()
+    anchors = torch.arange(sim.shape[0], device=sim.device)
+    i2t = split_positives(anchors, positives, anchors_only)
+    t2i = split_positives(anchors, None if positives is None else positives.T, anchors_only)
+    return rows_fn(sim, *i2t).mean() + rows_fn(sim.T, *t2i).mean()
 
 
 def infonce_loss(sim: torch.Tensor, scale: torch.Tensor | float,
@@ -197,8 +234,8 @@ def csa_loss(sim_i2t: torch.Tensor, teacher_image_sim: torch.Tensor, teacher_tex
     Q = row softmax of the teacher similarity / ``teacher_temperature``; KL(teacher ‖ student)
     averaged over rows ("batchmean").
     """
-    i2t = kl_rows(teacher_image_sim / teacher_temperature, sim_i2t / temperature).mean()
-    t2i = kl_rows(teacher_text_sim / teacher_temperature, sim_i2t.T / temperature).mean()
+    i2t = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_i2t / temperature).mean()
+    t2i = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_i2t.T / temperature).mean()
     return 0.5 * (i2t + t2i)
 
 
@@ -211,6 +248,6 @@ def usa_loss(sim_image_image: torch.Tensor, sim_text_text: torch.Tensor, teacher
 
     with the conventions of :func:`csa_loss`; the student similarities come from uni-modal heads.
     """
-    image = kl_rows(teacher_image_sim / teacher_temperature, sim_image_image / image_temperature).mean()
-    text = kl_rows(teacher_text_sim / teacher_temperature, sim_text_text / text_temperature).mean()
+    image = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_image_image / image_temperature).mean()
+    text = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_text_text / text_temperature).mean()
     return 0.5 * (image + text)

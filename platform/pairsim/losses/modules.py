@@ -176,13 +176,11 @@ class ImageTextLoss(BatchLoss):
         self.base = base
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
-        image, text = batch.rows("image"), batch.rows("text")
-        columns = batch.columns["text"].shape[0]
-        anchors = torch.zeros(image.shape[0], columns, dtype=torch.bool, device=image.device)
-        anchors[torch.arange(image.shape[0]), batch.first_row + torch.arange(image.shape[0])] = True
+        rows = batch.rows("image").shape[0]
+        anchors = batch.first_row + torch.arange(rows, device=batch.columns["text"].device)
         targets, ignore = functional.split_positives(anchors, _group_positives(batch), self.base.anchors_only)
-        i2t = self.base.rows(image @ batch.columns["text"].T, targets, ignore)
-        t2i = self.base.rows(text @ batch.columns["image"].T, targets, ignore)
+        i2t = self.base.rows(batch.similarity("image", "text"), targets, ignore)
+        t2i = self.base.rows(batch.similarity("text", "image"), targets, ignore)
         return i2t.mean() + t2i.mean()
 
 
@@ -236,19 +234,15 @@ class CUSALoss(BatchLoss):
         self.text_temperature = text_temperature or Temperature(0.45, 0.1, 1.0)
         self.teacher_temperature = teacher_temperature
 
-    def _teacher(self, batch: GlobalBatch, modality: str) -> torch.Tensor:
-        name = f"teacher_{modality}"
-        return batch.rows(name) @ batch.columns[name].T / self.teacher_temperature
-
     def loss(self, batch: GlobalBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        teacher_image, teacher_text = self._teacher(batch, "image"), self._teacher(batch, "text")
-        cross, kl = self.cross_temperature(), functional.kl_rows
-        csa = 0.5 * (kl(teacher_image, batch.rows("image") @ batch.columns["text"].T / cross).mean()
-                     + kl(teacher_text, batch.rows("text") @ batch.columns["image"].T / cross).mean())
-        usa = 0.5 * (kl(teacher_image, batch.rows("image_unimodal") @ batch.columns["image_unimodal"].T
-                        / self.image_temperature()).mean()
-                     + kl(teacher_text, batch.rows("text_unimodal") @ batch.columns["text_unimodal"].T
-                          / self.text_temperature()).mean())
+        sim, kl = batch.similarity, functional.kl_rows
+        teacher_image = functional.soft_labels(sim("teacher_image", "teacher_image"), self.teacher_temperature)
+        teacher_text = functional.soft_labels(sim("teacher_text", "teacher_text"), self.teacher_temperature)
+        cross = self.cross_temperature()
+        csa = 0.5 * (kl(teacher_image, sim("image", "text") / cross).mean()
+                     + kl(teacher_text, sim("text", "image") / cross).mean())
+        usa = 0.5 * (kl(teacher_image, sim("image_unimodal", "image_unimodal") / self.image_temperature()).mean()
+                     + kl(teacher_text, sim("text_unimodal", "text_unimodal") / self.text_temperature()).mean())
         return csa, usa
 
 

@@ -1,0 +1,69 @@
+"""Teachers: driver-side checks name the field; prepared inputs have one shape; embeddings do not
+depend on padding; teachers pickle without their weights."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from pairsim import teachers
+from pairsim.config import ConfigError, load_config
+
+
+def cusa_config(dataset, **cusa):
+    cusa.setdefault("image_teacher", {"kind": "initial_student"})
+    return load_config(None, [f"data.path={dataset}", f"loss.cusa={json.dumps(cusa)}"])
+
+
+def test_missing_teacher_files_are_named_before_the_cluster_starts(tiny_dataset, tmp_path):
+    cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny",
+                                                   "path": str(tmp_path / "nope.pt")})
+    with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher\.path: no weights file"):
+        teachers.check_teachers(cfg)
+    cfg = cusa_config(tiny_dataset, image_teacher={"kind": "sentence_transformers"})
+    with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher: a sentence_transformers teacher encodes text"):
+        teachers.check_teachers(cfg)
+    cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"loss\.cusa\.teacher_features: no teacher_manifest\.json"):
+        teachers.check_teachers(cfg)
+
+
+def test_features_of_other_data_or_teachers_are_refused(tiny_dataset, tmp_path):
+    cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
+    manifest = {"data_content_hash": "0" * 64, "splits": ["train"],
+                "teachers": {m: t.identity() for m, t in teachers.build_teachers(cusa_config(tiny_dataset)).items()}}
+    (tmp_path / teachers.STORE_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match="extracted from other data"):
+        teachers.check_teachers(cfg)
+    from pairsim import shards
+
+    manifest["data_content_hash"] = shards.read_manifest(tiny_dataset)["content_hash"]
+    manifest["teachers"]["text"]["max_length"] = 99
+    (tmp_path / teachers.STORE_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"loss\.cusa\.text_teacher: .* differs from the teacher"):
+        teachers.check_teachers(cusa_config(tiny_dataset, teacher_features=str(tmp_path),
+                                            text_teacher={"kind": "sentence_transformers"}))
+
+
+def test_minilm_teacher_embeddings_ignore_padding_and_pickle_light():
+    captions = ["a small red circle", "a large blue square to the left of a green triangle"]
+    short, long = teachers.SentenceTransformerTeacher(max_length=24), teachers.SentenceTransformerTeacher(max_length=64)
+    prepared = short.prepare(captions)
+    assert {v.shape for v in prepared.values()} == {(2, 24)}
+    a, b = short.embed(prepared), long.embed(long.prepare(captions))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.norm(dim=-1), torch.ones(2))
+    assert float(a[0] @ a[1]) < 0.99  # different sentences, different embeddings
+    assert len(pickle.dumps(short)) < 10_000  # the weights stay behind
+
+
+def test_initial_student_teacher_is_the_students_initialisation(tiny_dataset):
+    from pairsim import models
+
+    cfg = cusa_config(tiny_dataset)
+    teacher = teachers.build_teachers(cfg)["image"]
+    torch.manual_seed(cfg.train.seed)
+    student = models.create_retrieval_model(cfg.model, unimodal_heads=True)
+    for (name, got), want in zip(teacher.model.state_dict().items(), student.clip.state_dict().values()):
+        torch.testing.assert_close(got, want, msg=name)
