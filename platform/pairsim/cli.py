@@ -1,4 +1,4 @@
-"""``pairsim`` command line: ``demo``, ``train``, ``data synth``."""
+"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``data synth``."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def _demo(objective: str | None, overrides: list[str]) -> None:
     _train(cfg)
 
 
+def _extract_teacher(cfg: RunConfig, args: argparse.Namespace) -> None:
+    from pairsim import teachers, train
+
+    teachers.check_teachers(cfg.model_copy(update={"loss": cfg.loss.model_copy(update={
+        "cusa": cfg.loss.cusa and cfg.loss.cusa.model_copy(update={"teacher_features": None})})}))
+    train.init_ray(cfg)
+    out = teachers.extract(cfg, args.out, args.splits or [cfg.data.train_split], args.batch_size, args.concurrency)
+    print(f"teacher features in {out}; train from them with --set loss.cusa.teacher_features={out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, action="append", required=True,
                        help="YAML run config; repeat to layer files left to right")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+    extract = sub.add_parser("extract-teacher", help="embed a dataset with the run's CUSA teachers, to train from disk")
+    extract.add_argument("--config", type=Path, action="append", required=True,
+                         help="YAML run config with loss.cusa teachers; repeat to layer files")
+    extract.add_argument("--out", type=Path, required=True, help="directory for the teacher features")
+    extract.add_argument("--splits", nargs="+", default=None, help="splits to embed (default: data.train_split)")
+    extract.add_argument("--batch-size", type=int, default=64)
+    extract.add_argument("--concurrency", type=int, default=1, help="Ray Data actors running the teachers")
+    extract.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
@@ -89,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             _demo(args.objective, args.overrides)
         elif args.command == "train":
             _train(load_config(args.config, args.overrides))
+        elif args.command == "extract-teacher":
+            _extract_teacher(load_config(args.config, args.overrides), args)
         elif args.command == "data":
             from pairsim import synth
 

@@ -15,6 +15,8 @@ modules compute when each worker scores only its own rows (``local_loss``).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -121,16 +123,25 @@ def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
     return _mean_per_row((hardest[rows] - positive + margin).clamp(min=0), rows, targets)
 
 
-def kl_rows(teacher_log_probs: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """Per-row KL(Q ‖ softmax(student)) = Σ_j Q_j (log Q_j − log P_j), with the teacher given as
-    log-probabilities log Q (computed once per step and shared by every term). Returns [R]."""
-    log_p = F.log_softmax(fp32(student_logits), dim=1)
-    return F.kl_div(log_p, teacher_log_probs, reduction="none", log_target=True).sum(1)
+class SoftLabels(NamedTuple):
+    """A teacher's soft labels Q (rows sum to 1) and Σ_j Q_j log Q_j per row, without gradient."""
+
+    probs: torch.Tensor
+    plogp: torch.Tensor
 
 
-def soft_labels(teacher_sim: torch.Tensor, teacher_temperature: float = 1.0) -> torch.Tensor:
-    """CUSA's soft labels as log-probabilities: log softmax_j(u_ij / τ_T), no gradient."""
-    return F.log_softmax(fp32(teacher_sim).detach() / teacher_temperature, dim=1)
+def soft_labels(teacher_sim: torch.Tensor, teacher_temperature: float = 1.0) -> SoftLabels:
+    """CUSA's soft labels: Q = softmax_j(u_ij / τ_T), computed once per step for every term."""
+    with torch.no_grad():
+        log_q = F.log_softmax(fp32(teacher_sim) / teacher_temperature, dim=1)
+        probs = log_q.exp()
+        return SoftLabels(probs, (probs * log_q).sum(1))
+
+
+def kl_rows(teacher: SoftLabels, student_logits: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(Q ‖ softmax(student)) = Σ_j Q_j log Q_j − Σ_j Q_j log P_j; the second term is
+    a soft-target cross-entropy (one fused kernel). Returns [R]."""
+    return F.cross_entropy(fp32(student_logits), teacher.probs, reduction="none") + teacher.plogp
 
 
 # ------------------------------------------------------------------------------- image ↔ text
@@ -234,8 +245,8 @@ def csa_loss(sim_i2t: torch.Tensor, teacher_image_sim: torch.Tensor, teacher_tex
     Q = row softmax of the teacher similarity / ``teacher_temperature``; KL(teacher ‖ student)
     averaged over rows ("batchmean").
     """
-    i2t = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_i2t / temperature).mean()
-    t2i = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_i2t.T / temperature).mean()
+    i2t = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_i2t * (1.0 / temperature)).mean()
+    t2i = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_i2t.T * (1.0 / temperature)).mean()
     return 0.5 * (i2t + t2i)
 
 
@@ -248,6 +259,6 @@ def usa_loss(sim_image_image: torch.Tensor, sim_text_text: torch.Tensor, teacher
 
     with the conventions of :func:`csa_loss`; the student similarities come from uni-modal heads.
     """
-    image = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_image_image / image_temperature).mean()
-    text = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_text_text / text_temperature).mean()
-    return 0.5 * (image + text)
+    image = kl_rows(soft_labels(teacher_image_sim, teacher_temperature), sim_image_image * (1.0 / image_temperature))
+    text = kl_rows(soft_labels(teacher_text_sim, teacher_temperature), sim_text_text * (1.0 / text_temperature))
+    return 0.5 * (image.mean() + text.mean())

@@ -238,11 +238,11 @@ class CUSALoss(BatchLoss):
         sim, kl = batch.similarity, functional.kl_rows
         teacher_image = functional.soft_labels(sim("teacher_image", "teacher_image"), self.teacher_temperature)
         teacher_text = functional.soft_labels(sim("teacher_text", "teacher_text"), self.teacher_temperature)
-        cross = self.cross_temperature()
-        csa = 0.5 * (kl(teacher_image, sim("image", "text") / cross).mean()
-                     + kl(teacher_text, sim("text", "image") / cross).mean())
-        usa = 0.5 * (kl(teacher_image, sim("image_unimodal", "image_unimodal") / self.image_temperature()).mean()
-                     + kl(teacher_text, sim("text_unimodal", "text_unimodal") / self.text_temperature()).mean())
+        cross, image, text = 1.0 / self.cross_temperature(), 1.0 / self.image_temperature(), 1.0 / self.text_temperature()
+        csa = 0.5 * (kl(teacher_image, sim("image", "text") * cross).mean()
+                     + kl(teacher_text, sim("text", "image") * cross).mean())
+        usa = 0.5 * (kl(teacher_image, sim("image_unimodal", "image_unimodal") * image).mean()
+                     + kl(teacher_text, sim("text_unimodal", "text_unimodal") * text).mean())
         return csa, usa
 
 
