@@ -67,3 +67,21 @@ def test_initial_student_teacher_is_the_students_initialisation(tiny_dataset):
     student = models.create_retrieval_model(cfg.model, unimodal_heads=True)
     for (name, got), want in zip(teacher.model.state_dict().items(), student.clip.state_dict().values()):
         torch.testing.assert_close(got, want, msg=name)
+
+
+def test_open_clip_teacher_from_a_local_file_embeds_as_open_clip_does(tiny_dataset, tmp_path):
+    import open_clip
+    from PIL import Image
+
+    from pairsim import models
+
+    torch.manual_seed(1)
+    path = models.save_open_clip_weights(models.create_model(load_config().model).state_dict(), tmp_path / "t.pt")
+    cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny", "path": str(path)})
+    teachers.check_teachers(cfg)
+    teacher = teachers.build_teachers(cfg)["image"]
+    images = [Image.new("RGB", (80, 60), c) for c in ((200, 30, 30), (20, 200, 90))]
+    reference, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(path))
+    with torch.no_grad():
+        expected = reference.eval().encode_image(torch.stack([preprocess(i) for i in images]), normalize=True)
+    torch.testing.assert_close(teacher.embed(teacher.prepare(images)), expected)

@@ -10,7 +10,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pairsim import train
-from pairsim.cli import DEMO_CONFIG
+from pairsim.cli import DEMO_CONFIG, objective_config
 from pairsim.config import load_config
 
 pytestmark = pytest.mark.slow
@@ -103,15 +103,26 @@ def test_resumed_run_continues_at_the_next_step_with_its_optimizer_state(zero2_r
 
 
 def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(ray_instance, tiny_dataset, tmp_path, mlflow_server):
-    """ZeRO-3 partitions the parameters (export must gather them); bf16 autocasts the model; the
-    run goes to a real tracking server, with artifacts uploaded over HTTP."""
-    result = train.fit(load_config(DEMO_CONFIG, overrides(
+    """ZeRO-3 partitions the parameters (export must gather them), the loss's learnable
+    temperatures and the CUSA heads included; bf16 casts the model; the run goes to a real
+    tracking server, with artifacts uploaded over HTTP."""
+    result = train.fit(load_config([DEMO_CONFIG, objective_config("cusa_unified")], overrides(
         tiny_dataset, tmp_path, "train.epochs=1", "train.zero_stage=3", "train.precision=bf16",
+        "loss.base=infonce", "model.crossmodal_heads=true", "data.pairs_per_image=1",
         f"tracking.tracking_uri={mlflow_server}")))
     assert result.tracking_uri == mlflow_server
     client = MlflowClient(mlflow_server)
     losses = [v for _, v in history(client, result.mlflow_run_id, "train/loss")]
     assert len(losses) == STEPS_PER_EPOCH // 2 and all(math.isfinite(v) for v in losses)
+    for key, (low, high) in {"temperature/base": (0.01, 0.1), "temperature/cross": (0.1, 1.0),
+                             "temperature/image": (0.1, 1.0), "temperature/text": (0.1, 1.0)}.items():
+        values = [v for _, v in history(client, result.mlflow_run_id, key)]
+        assert len(values) == len(losses) and all(low <= v <= high for v in values), (key, values)
+    heads = torch.load(mlflow.artifacts.download_artifacts(
+        run_id=result.mlflow_run_id, tracking_uri=mlflow_server, artifact_path="model/pairsim_heads.pt",
+        dst_path=str(tmp_path)))
+    assert {k.split(".")[1] for k in heads} == {"cross_heads", "unimodal_heads"}
+    assert all(v.numel() > 0 and torch.isfinite(v).all() for v in heads.values())  # gathered from ZeRO-3
     weights = mlflow.artifacts.download_artifacts(run_id=result.mlflow_run_id, tracking_uri=mlflow_server,
                                                   artifact_path="model/open_clip_weights.pt", dst_path=str(tmp_path))
     model, _, _ = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=weights)

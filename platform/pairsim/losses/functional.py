@@ -72,7 +72,10 @@ def split_positives(anchors: torch.Tensor, positives: torch.Tensor | None, ancho
     if positives is None:
         return anchors, None
     anchor_mask = torch.zeros_like(positives).scatter_(1, anchors[:, None], True)
-    return (anchors, positives & ~anchor_mask) if anchors_only else (positives | anchor_mask, None)
+    further = positives & ~anchor_mask
+    if not further.any():  # no two pairs of one image in this batch: the one-target fast path
+        return anchors, None
+    return (anchors, further) if anchors_only else (positives | anchor_mask, None)
 
 
 # ---------------------------------------------------------------------------------------- rows
