@@ -14,11 +14,11 @@ from pairsim.cli import DEMO_CONFIG, objective_config
 from pairsim.config import load_config
 
 pytestmark = pytest.mark.slow
-STEPS_PER_EPOCH = 256 // (16 * 2)
+STEPS_PER_EPOCH = 256 * 2 // (16 * 2)  # 2 captions per image per epoch
 
 
 def overrides(dataset, work, *extra):
-    return [f"data.path={dataset}", "train.micro_batch_size=16", "train.log_every_n_steps=2",
+    return [f"data.path={dataset}", "data.pairs_per_image=2", "train.micro_batch_size=16", "train.log_every_n_steps=2",
             "optim.warmup_steps=4", "optim.lr=1e-3", "optim.min_lr_ratio=0.5", "eval.batch_size=64",
             f"tracking.tracking_uri=sqlite:///{work}/mlflow.db", f"ray.storage_path={work}/ray", *extra]
 
@@ -108,7 +108,7 @@ def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(ray_instance, tiny_
     tracking server, with artifacts uploaded over HTTP."""
     result = train.fit(load_config([DEMO_CONFIG, objective_config("cusa_unified")], overrides(
         tiny_dataset, tmp_path, "train.epochs=1", "train.zero_stage=3", "train.precision=bf16",
-        "loss.base=infonce", "model.crossmodal_heads=true", "data.pairs_per_image=1",
+        "loss.base=infonce", "model.crossmodal_heads=true",
         f"tracking.tracking_uri={mlflow_server}")))
     assert result.tracking_uri == mlflow_server
     client = MlflowClient(mlflow_server)
