@@ -281,8 +281,8 @@ class Objective(BatchLoss):
             csa, usa = self.cusa.loss(batch)
             terms |= {"loss/csa": csa, "loss/usa": usa}
             total = base + self.alpha * csa + self.beta * usa
-        bad = {k: float(v) for k, v in terms.items() if not torch.isfinite(v)}
-        if bad:
+        if not torch.isfinite(torch.stack(list(terms.values()))).all():  # one device sync per step
+            bad = {k: float(v) for k, v in terms.items() if not torch.isfinite(v)}
             raise FloatingPointError(f"non-finite loss terms {bad}; stopping the step")
         return {"loss": total} | {k: v.detach() for k, v in terms.items()} | self.temperatures()
 
