@@ -85,3 +85,19 @@ def test_open_clip_teacher_from_a_local_file_embeds_as_open_clip_does(tiny_datas
     with torch.no_grad():
         expected = reference.eval().encode_image(torch.stack([preprocess(i) for i in images]), normalize=True)
     torch.testing.assert_close(teacher.embed(teacher.prepare(images)), expected)
+
+
+def test_extraction_skips_unreadable_images_and_says_why(tiny_dataset):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from pairsim import shards
+
+    rows = pq.read_table(shards.split_files(tiny_dataset, "train")[0]).slice(0, 3).to_pydict()
+    batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()}
+    batch["image"][1] = b"not an image"
+    batch["path"] = np.asarray(["train/part-00000.parquet"] * 3, dtype=object)
+    out = teachers._EmbedShardRows(teachers.build_teachers(cusa_config(tiny_dataset)))(batch)
+    assert [bool(e) for e in out["error"]] == [False, True, False] and "UnidentifiedImageError" in out["error"][1]
+    assert out["image"][0].shape == (128,) and out["image"][1].size == 0
+    assert out["captions"][2].shape == (len(rows["captions"][2]), 384)

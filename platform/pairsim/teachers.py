@@ -229,6 +229,9 @@ class TeacherStore:
         images, texts = [], []
         for shard, image_id, k in zip(shard_paths, image_ids, caption_index):
             index, image, captions = self._load(_store_file(self.root, shard))
+            if str(image_id) not in index:
+                raise KeyError(f"teacher features {self.root}: no row for image {image_id!r} of {shard} "
+                               "(extracted before this image was added? re-run pipelines/extract_teacher.py)")
             row = index[str(image_id)]
             images.append(image[row])
             texts.append(captions[row][int(k)])
@@ -242,16 +245,28 @@ class _EmbedShardRows:
         self.teachers = teachers
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Embeddings of every row whose image decodes; the others come back empty, with ``error``."""
         from pairsim.data import open_image
 
-        images = [open_image(raw) for raw in batch["image"]]
-        captions = [list(c) for c in batch["captions"]]
-        flat = [str(c) for caps in captions for c in caps]
-        image_emb = self.teachers["image"].embed(self.teachers["image"].prepare(images)).numpy()
-        text_emb = self.teachers["text"].embed(self.teachers["text"].prepare(flat)).numpy()
+        images, errors = [], []
+        for raw in batch["image"]:
+            try:
+                images.append(open_image(raw))
+                errors.append("")
+            except Exception as exc:  # PIL raises many types for corrupt/truncated data
+                errors.append(f"{type(exc).__name__}: {exc}")
+        good = [i for i, e in enumerate(errors) if not e]
+        captions = [[str(c) for c in batch["captions"][i]] for i in good]
+        flat = [c for caps in captions for c in caps]
+        image_emb = self.teachers["image"].embed(self.teachers["image"].prepare(images)).numpy() if images else None
+        text_emb = self.teachers["text"].embed(self.teachers["text"].prepare(flat)).numpy() if flat else None
         bounds = np.cumsum([0] + [len(c) for c in captions])
-        return {"path": batch["path"], "image_id": batch["image_id"], "image": list(image_emb),
-                "captions": [text_emb[a:b] for a, b in zip(bounds[:-1], bounds[1:])]}
+        image_col = [np.zeros(0, np.float32)] * len(errors)
+        caption_col = [np.zeros((0, 0), np.float32)] * len(errors)
+        for j, i in enumerate(good):
+            image_col[i], caption_col[i] = image_emb[j], text_emb[bounds[j]:bounds[j + 1]]
+        return {"path": batch["path"], "image_id": batch["image_id"], "error": np.asarray(errors),
+                "image": image_col, "captions": caption_col}
 
 
 def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 64, concurrency: int = 1,
@@ -267,6 +282,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
     teachers = build_teachers(cfg)
     out = Path(out)
     manifest = shards.read_manifest(cfg.data.path)
+    skipped: dict[str, str] = {}
     for split in splits:
         files = shards.split_files(cfg.data.path, split)
         rows = ray.data.read_parquet(files, columns=["image", "image_id", "captions"], include_paths=True)
@@ -276,8 +292,11 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
         with tqdm(total=manifest["splits"][split]["images"], desc=f"teacher features {split}", unit="img",
                   disable=not progress) as bar:
             for batch in embedded.iter_batches(batch_size=batch_size, batch_format="numpy"):
-                for path, image_id, image, caps in zip(batch["path"], batch["image_id"], batch["image"],
-                                                       batch["captions"]):
+                for path, image_id, error, image, caps in zip(batch["path"], batch["image_id"], batch["error"],
+                                                              batch["image"], batch["captions"]):
+                    if error:  # training skips these rows too: its decoder fails on the same bytes
+                        skipped[str(image_id)] = str(error)
+                        continue
                     by_shard.setdefault(path, []).append(
                         {"image_id": str(image_id), "image": np.asarray(image, np.float32).tolist(),
                          "captions": np.stack(list(caps)).astype(np.float32).tolist()})
@@ -291,5 +310,9 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
         "data_path": str(cfg.data.path), "data_content_hash": manifest["content_hash"],
         "splits": sorted(set(previous["splits"]) | set(splits)),
         "teachers": {m: t.identity() for m, t in teachers.items()},
+        "skipped_images": skipped,
     }, indent=2, sort_keys=True) + "\n")
+    if skipped:
+        print(f"[pairsim] skipped {len(skipped)} unreadable images, e.g. {next(iter(skipped.items()))}; "
+              f"all are listed under skipped_images in {out / STORE_MANIFEST}")
     return out
