@@ -108,7 +108,8 @@ class RetrievalModel(torch.nn.Module):
     """An open_clip model plus the pieces pairsim's objectives read.
 
     ``forward(image=None, text=None)`` returns a dict with ``image`` and ``text`` (cross-modal
-    embeddings, after the optional cross-modal heads), ``fused`` (when both are given) and
+    embeddings, after the optional cross-modal heads), ``fused`` (when both are given and the
+    model has a fusion module: only GCL reads it) and
     ``image_unimodal`` / ``text_unimodal`` (when uni-modal heads exist). open_clip's own
     ``logit_scale`` is frozen: the losses own their temperatures and scales.
 
@@ -116,14 +117,14 @@ class RetrievalModel(torch.nn.Module):
     parameters the CLIP module holds directly (positional embedding, text projection).
     """
 
-    def __init__(self, clip: torch.nn.Module, dim: int, fusion: str = "score_sum", crossmodal_heads: bool = False,
+    def __init__(self, clip: torch.nn.Module, dim: int, fusion: str | None = None, crossmodal_heads: bool = False,
                  unimodal_heads: bool = False):
         super().__init__()
         self.clip = clip
         for name in SCALAR_PARAMS:
             if isinstance(getattr(clip, name, None), torch.nn.Parameter):
                 getattr(clip, name).requires_grad_(False)
-        self.fusion = FUSIONS[fusion]()
+        self.fusion = FUSIONS[fusion]() if fusion else None
         self.cross_heads = torch.nn.ModuleDict(
             {"image": projection_head(dim), "text": projection_head(dim)}) if crossmodal_heads else None
         self.unimodal_heads = torch.nn.ModuleDict(
@@ -138,15 +139,16 @@ class RetrievalModel(torch.nn.Module):
             out[modality] = self.cross_heads[modality](features) if self.cross_heads is not None else features
             if self.unimodal_heads is not None:
                 out[f"{modality}_unimodal"] = self.unimodal_heads[modality](features)
-        if image is not None and text is not None:
+        if self.fusion is not None and image is not None and text is not None:
             out["fused"] = self.fusion(out["image"], out["text"])
         return out
 
 
-def create_retrieval_model(cfg: ModelConfig, unimodal_heads: bool = False) -> RetrievalModel:
-    """The configured open_clip model with its fusion and heads (uni-modal heads for CUSA)."""
+def create_retrieval_model(cfg: ModelConfig, fused: bool = False, unimodal_heads: bool = False) -> RetrievalModel:
+    """The configured open_clip model with its heads, and ``cfg.fusion`` when the objective reads
+    fused embeddings (GCL) and uni-modal heads when it reads those (CUSA)."""
     dim = open_clip.get_model_config(cfg.arch)["embed_dim"]
-    return RetrievalModel(create_model(cfg), dim, cfg.fusion, cfg.crossmodal_heads, unimodal_heads)
+    return RetrievalModel(create_model(cfg), dim, cfg.fusion if fused else None, cfg.crossmodal_heads, unimodal_heads)
 
 
 def open_clip_state(state_dict: dict[str, torch.Tensor], prefix: str = "clip.") -> dict[str, torch.Tensor]:

@@ -232,7 +232,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg.train.seed)
 
-    module = TrainingModule(models.create_retrieval_model(cfg.model, unimodal_heads=cfg.loss.cusa is not None),
+    module = TrainingModule(models.create_retrieval_model(cfg.model, fused=cfg.loss.structure == "gcl",
+                                                          unimodal_heads=cfg.loss.cusa is not None),
                             build_objective(cfg.loss, rank, world))
     engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=parameter_groups(module, cfg.optim.weight_decay),

@@ -33,17 +33,13 @@ class GlobalBatch:
 
     local: dict[str, torch.Tensor]
     columns: dict[str, torch.Tensor]
-    row_offset: int  # global index of the first row in ``rows``
     local_loss: bool
+    first_row: int  # global index of the first row :meth:`rows` returns
     _similarities: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     def rows(self, name: str) -> torch.Tensor:
         """The rows this worker scores: its own (``local_loss``) or all of them."""
         return self.local[name] if self.local_loss else self.columns[name]
-
-    @property
-    def first_row(self) -> int:
-        return self.row_offset if self.local_loss else 0
 
     def get(self, name: str) -> torch.Tensor | None:
         return self.columns.get(name)
@@ -62,4 +58,4 @@ def gather_batch(features: dict[str, torch.Tensor | None], *, local_loss: bool, 
     local = {k: v for k, v in features.items() if v is not None}
     columns = {k: all_gather(v, world_size) for k, v in local.items()}
     size = next(iter(local.values())).shape[0]
-    return GlobalBatch(local, columns, rank * size, local_loss)
+    return GlobalBatch(local, columns, local_loss, rank * size if local_loss else 0)
