@@ -1,12 +1,14 @@
-"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``data synth``."""
+"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``shards build|inspect``, ``data synth``."""
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 from pathlib import Path
 
-from pairsim.config import ConfigError, RunConfig, load_config
+from pairsim.config import BuildConfig, ConfigError, RunConfig, load_config
+from pairsim.shards import BuildError
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 OBJECTIVES = Path(__file__).parent / "configs" / "objectives"
@@ -65,6 +67,57 @@ def _extract_teacher(cfg: RunConfig, args: argparse.Namespace) -> None:
     print(f"teacher features in {out}; train from them with --set loss.cusa.teacher_features={out}")
 
 
+def _shards(args: argparse.Namespace) -> None:
+    from pairsim import shards
+
+    if args.shards_command == "inspect":
+        print(shards.inspect(args.dir, samples=args.samples, sheet=args.sheet))
+        return
+    cfg = BuildConfig.from_args(
+        format=args.format, input=args.input, out=args.out, images_root=args.images_root, split=args.split,
+        rows_per_shard=args.rows_per_shard, shard_mb=args.shard_mb, max_side=args.max_side,
+        jpeg_quality=args.jpeg_quality, max_reject_share=args.max_reject_share, csv_image_key=args.csv_image_key,
+        csv_caption_key=args.csv_caption_key,
+        csv_separator=args.csv_separator and codecs.decode(args.csv_separator, "unicode_escape"))
+    if args.ray_address:
+        import ray
+
+        ray.init(address=args.ray_address)
+    manifest = shards.build(cfg)
+    print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c['images']:,} images / {c['captions']:,} captions in "
+                                           f"{c['shards']} shards" for s, c in sorted(manifest["splits"].items()))
+          + f"; {manifest['rejected']} rejected (listed in {cfg.out / shards.REJECTS})")
+
+
+def add_shards_parser(sub) -> None:
+    """``shards build`` and ``shards inspect`` (also used by pipelines/prepare_data.py)."""
+    shards = sub.add_parser("shards", help="build Parquet shards from a dataset, or inspect them")
+    commands = shards.add_subparsers(dest="shards_command", required=True)
+    build = commands.add_parser("build", help="COCO/Flickr30K split files, CSV, WebDataset tars or an image "
+                                              "folder → DIR/<split>/part-NNNNN.parquet + manifest.json")
+    fields = BuildConfig.model_fields
+    build.add_argument("--format", required=True, choices=["karpathy", "csv", "webdataset", "folder"])
+    build.add_argument("--input", type=Path, required=True, help=fields["input"].description)
+    build.add_argument("--out", type=Path, required=True, help=fields["out"].description)
+    build.add_argument("--images-root", type=Path, help=fields["images_root"].description)
+    build.add_argument("--split", help=fields["split"].description + " (default train)")
+    size = build.add_mutually_exclusive_group()
+    size.add_argument("--rows-per-shard", type=int, help=fields["rows_per_shard"].description)
+    size.add_argument("--shard-mb", type=float, help=fields["shard_mb"].description + " (default 256)")
+    build.add_argument("--max-side", type=int, help=fields["max_side"].description + " (default 1024)")
+    build.add_argument("--jpeg-quality", type=int, help=fields["jpeg_quality"].description + " (default 95)")
+    build.add_argument("--max-reject-share", type=float, help=fields["max_reject_share"].description
+                       + " (default 0.05)")
+    build.add_argument("--csv-image-key", help="CSV column of image paths (default filepath)")
+    build.add_argument("--csv-caption-key", help="CSV column of captions (default title)")
+    build.add_argument("--csv-separator", help="CSV separator, escapes allowed (default '\\t')")
+    build.add_argument("--ray-address", help="join this Ray cluster (default: RAY_ADDRESS, else a local instance)")
+    inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
+    inspect.add_argument("dir", type=Path)
+    inspect.add_argument("--samples", type=int, default=4, help="rows to print")
+    inspect.add_argument("--sheet", type=Path, help="contact sheet PNG (default DIR/contact_sheet.png)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--concurrency", type=int, default=1, help="Ray Data actors running the teachers")
     extract.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
+    add_shards_parser(sub)
+
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
     synth.add_argument("--out", type=Path, required=True)
@@ -110,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             _train(load_config(args.config, args.overrides))
         elif args.command == "extract-teacher":
             _extract_teacher(load_config(args.config, args.overrides), args)
+        elif args.command == "shards":
+            _shards(args)
         elif args.command == "data":
             from pairsim import synth
 
@@ -120,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2
+    except (BuildError, FileNotFoundError) as exc:
+        print(f"pairsim: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

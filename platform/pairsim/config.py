@@ -8,7 +8,7 @@ starts: unknown keys and bad values are all reported at once, each with its dott
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -23,16 +23,24 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    """Where the Parquet shards are and how they are streamed."""
+    """Where the Parquet shards are, how training pairs are drawn from them, and what Ray Data
+    may use to decode, augment and tokenize them."""
 
     path: Path = Field(Path("data/shapes"), description="dataset directory holding manifest.json")
     train_split: str = "train"
     val_split: str = "val"
     augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
+    pairs_per_image: Annotated[int, Field(ge=1)] | Literal["all"] = Field(
+        1, description="captions drawn per image per epoch (k ≥ 1, each its own pair with the same group id), "
+                       "or 'all' of them")
+    seed: int | None = Field(
+        0, description="seeds file order, caption draws, augmentation and the local shuffle, anew each epoch "
+                       "(same seed, same order); null: unseeded and unordered, a little faster")
     shuffle_buffer: int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
     prefetch_batches: int = Field(2, ge=0)
-    pairs_per_image: int = Field(
-        1, ge=1, description="captions drawn per image per epoch, each its own pair with the same group id")
+    cpus_per_task: float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
+    max_cpus: float | None = Field(
+        None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
 
 
 class ModelConfig(_Section):
@@ -209,6 +217,32 @@ class RunConfig(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class BuildConfig(_Section):
+    """One shard build (``pairsim shards build``): where the source is, where the shards go,
+    how big they are and how images are cleaned."""
+
+    format: Literal["karpathy", "csv", "webdataset", "folder"]
+    input: Path = Field(description="split file, CSV, JSONL, or a .tar / directory of .tar files")
+    out: Path = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json)")
+    images_root: Path | None = Field(None, description="where relative image paths resolve (default: the input's directory)")
+    split: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="split name for csv, webdataset, folder")
+    rows_per_shard: int | None = Field(None, ge=1, description="target shard size in images (instead of shard_mb)")
+    shard_mb: float = Field(256.0, gt=0.0, description="target shard size in MB of source image bytes")
+    max_side: int = Field(1024, ge=16, description="longer image sides are downscaled to this (aspect kept)")
+    jpeg_quality: int = Field(95, ge=50, le=100, description="quality of images that must be re-encoded")
+    max_reject_share: float = Field(0.05, ge=0.0, le=1.0, description="fail when more images or captions are rejected")
+    csv_image_key: str = "filepath"
+    csv_caption_key: str = "title"
+    csv_separator: str = Field("\t", min_length=1, max_length=1)
+
+    @classmethod
+    def from_args(cls, **values: Any) -> BuildConfig:
+        try:
+            return cls.model_validate({k: v for k, v in values.items() if v is not None})
+        except ValidationError as exc:
+            raise ConfigError(_format_errors(exc, "shards build options")) from None
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,25 +1,45 @@
-"""The on-disk dataset format: Parquet shards per split plus ``manifest.json``.
+"""The on-disk dataset format — Parquet shards per split plus ``manifest.json`` — and the
+shard builder that makes it from a source (:mod:`pairsim.sources`).
 
 Layout::
 
     DIR/manifest.json
+    DIR/rejects.jsonl                          one line per rejected image, caption or record
     DIR/<split>/part-00000.parquet, part-00001.parquet, ...
+    DIR/.build/<split>/part-00000.json          per-shard completion marker (resumable builds)
 
 One row per image: ``image`` (encoded PNG/JPEG bytes, stored once), ``image_id``,
 ``captions`` (list<string>), ``label`` (int, -1 when unknown), ``label_name``, ``width``,
 ``height``, ``source``.
+
+The build runs one Ray Data task per shard (so it scales out on a cluster): read the images,
+clean them (:func:`clean_image`), write the shard under a temporary name, rename it, then write
+its marker. Shards are planned on the driver from the source listing alone, so the output is
+the same whatever the order tasks finish in, and a re-run skips every shard whose marker
+matches its plan.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import io
 import json
+import os
+import uuid
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
+from tqdm import tqdm
+
+from pairsim import sources
+from pairsim.config import BuildConfig
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -42,6 +62,14 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
+def write_shard(rows: list[dict[str, Any]], path: Path) -> int:
+    """Write one shard atomically (a temporary name, then a rename); return its size in bytes."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    pq.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), tmp, compression="zstd", row_group_size=512)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
 def write_split(rows: Iterable[dict[str, Any]], split_dir: Path, rows_per_shard: int) -> dict[str, int]:
     """Write rows as numbered shards of at most ``rows_per_shard`` rows; return the split's counts."""
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -49,8 +77,7 @@ def write_split(rows: Iterable[dict[str, Any]], split_dir: Path, rows_per_shard:
     buffer: list[dict[str, Any]] = []
 
     def flush() -> None:
-        table = pa.Table.from_pylist(buffer, schema=SHARD_SCHEMA)
-        pq.write_table(table, split_dir / shard_name(counts["shards"]), compression="zstd")
+        write_shard(buffer, split_dir / shard_name(counts["shards"]))
         counts["shards"] += 1
         buffer.clear()
 
@@ -65,23 +92,31 @@ def write_split(rows: Iterable[dict[str, Any]], split_dir: Path, rows_per_shard:
     return counts
 
 
-def content_hash(root: Path) -> str:
-    """SHA-256 over every shard's relative path and bytes, in sorted order."""
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def content_hash(root: Path, digests: dict[str, str] | None = None) -> str:
+    """SHA-256 over every shard's relative path and SHA-256, in sorted order (``digests``:
+    relative path → digest already known, e.g. from the build's shard markers)."""
+    digests = digests or {}
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*/*.parquet")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
+    for path in sorted(Path(root).glob("*/*.parquet")):
+        rel = path.relative_to(root).as_posix()
+        digest.update(rel.encode())
+        digest.update((digests.get(rel) or file_digest(path)).encode())
     return digest.hexdigest()
 
 
 def write_manifest(root: Path, source: str, splits: dict[str, dict[str, int]], rejected: int = 0,
-                   **extra: Any) -> dict[str, Any]:
+                   digests: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "source": source,
         "splits": splits,
         "rejected": rejected,
-        "content_hash": content_hash(root),
+        "content_hash": content_hash(root, digests),
         **extra,
     }
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -92,7 +127,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     path = Path(root) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
-            f"no dataset at {root}: {path} is missing (make one with `pairsim data synth --out {root}`)"
+            f"no dataset at {root}: {path} is missing (make one with `pairsim shards build … --out {root}`, "
+            f"or the shapes data with `pairsim data synth --out {root}`)"
         )
     return json.loads(path.read_text())
 
@@ -110,3 +146,304 @@ def split_files(root: Path, split: str) -> list[str]:
             f"{root}/{split}: manifest lists {manifest['splits'][split]['shards']} shards, found {len(files)}"
         )
     return files
+
+
+# --------------------------------------------------------------------------- image hygiene
+
+class RejectedImage(ValueError):
+    """An image the build cannot store; ``reason`` is the short category in rejects.jsonl."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any PIL mode → 8-bit RGB: alpha composited on white, 16/32-bit and float scaled to 0–255,
+    palette, grayscale and CMYK converted."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        values = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) > 255 else 255.0
+        image = Image.fromarray(np.clip(values * (255.0 / top), 0, 255).round().astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def clean_image(raw: bytes, max_side: int, jpeg_quality: int) -> tuple[bytes, int, int]:
+    """Encoded bytes → (JPEG/PNG bytes, width, height) of an RGB image with EXIF orientation
+    applied and no side longer than ``max_side``. Bytes that need none of this are kept as
+    they are; others are re-encoded (JPEG for lossy sources, PNG otherwise).
+
+    Raises :class:`RejectedImage` for empty, corrupt, truncated or oversized data.
+    """
+    if not raw:
+        raise RejectedImage("empty file")
+    try:
+        with Image.open(io.BytesIO(raw)) as opened:
+            source_format, source_mode = opened.format, opened.mode
+            opened.load()  # decodes everything: truncation shows here
+            image = ImageOps.exif_transpose(opened)
+            rotated = image.size != opened.size or opened.getexif().get(0x0112, 1) != 1
+            image = to_rgb(image)
+    except Image.DecompressionBombError as exc:
+        raise RejectedImage("image too large", str(exc)) from None
+    except UnidentifiedImageError:
+        raise RejectedImage("corrupt image", "not a known image format") from None
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError… for bad data
+        reason = "truncated image" if "truncated" in str(exc).lower() else "corrupt image"
+        raise RejectedImage(reason, f"{type(exc).__name__}: {exc}") from None
+    resized = max(image.size) > max_side
+    if resized:
+        image.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
+    if source_format in ("JPEG", "PNG") and source_mode == "RGB" and not (rotated or resized):
+        return raw, image.width, image.height
+    out = io.BytesIO()
+    if source_format in ("JPEG", "WEBP", "MPO"):
+        image.save(out, format="JPEG", quality=jpeg_quality)
+    else:
+        image.save(out, format="PNG")
+    return out.getvalue(), image.width, image.height
+
+
+# --------------------------------------------------------------------------- the build
+
+class BuildError(RuntimeError):
+    """A build that cannot complete: too many rejects, or an unreadable input."""
+
+
+MARKERS = ".build"
+REJECTS = "rejects.jsonl"
+
+
+def plan_shards(records: list[sources.Record], cfg: BuildConfig) -> list[dict[str, Any]]:
+    """Group each split's records, in input order, into shards of ``rows_per_shard`` images or
+    about ``shard_mb`` MB of source image bytes. Each plan carries a fingerprint of its records
+    and the options that shape its bytes, which its completion marker must match."""
+    by_split: dict[str, list[sources.Record]] = collections.defaultdict(list)
+    for record in records:
+        by_split[record.split].append(record)
+    options = {"schema_version": SCHEMA_VERSION, "max_side": cfg.max_side, "jpeg_quality": cfg.jpeg_quality}
+    plans = []
+    for split in sorted(by_split):
+        groups: list[list[sources.Record]] = [[]]
+        size = 0
+        for record in by_split[split]:
+            full = (len(groups[-1]) >= cfg.rows_per_shard if cfg.rows_per_shard
+                    else size >= cfg.shard_mb * 2**20)
+            if full and groups[-1]:
+                groups.append([])
+                size = 0
+            groups[-1].append(record)
+            size += max(record.image.size, 0)
+        for index, group in enumerate(groups):
+            body = json.dumps({"records": [asdict(r) for r in group], "options": options}, sort_keys=True)
+            plans.append({"split": split, "index": index, "plan": body,
+                          "fingerprint": hashlib.sha256(body.encode()).hexdigest()})
+    return plans
+
+
+def _marker_path(out: Path, split: str, index: int) -> Path:
+    return out / MARKERS / split / shard_name(index).replace(".parquet", ".json")
+
+
+def _read_marker(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
+    """The shard's marker if the shard is complete and was built from this very plan."""
+    path = _marker_path(out, plan["split"], plan["index"])
+    try:
+        marker = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    shard = out / plan["split"] / shard_name(plan["index"])
+    if marker.get("fingerprint") != plan["fingerprint"] or not shard.is_file() \
+            or shard.stat().st_size != marker.get("bytes"):
+        return None
+    return marker
+
+
+class BuildShard:
+    """Ray Data task: read, clean and write one planned shard, then its marker."""
+
+    def __init__(self, out: Path, max_side: int, jpeg_quality: int):
+        self.out, self.max_side, self.jpeg_quality = out, max_side, jpeg_quality
+
+    def __call__(self, plan: dict[str, Any]) -> dict[str, Any]:
+        body = json.loads(plan["plan"])
+        rows, rejects = [], []
+        for r in body["records"]:
+            record = sources.Record(**{**r, "image": sources.ImageRef(**r["image"])})
+            try:
+                try:
+                    raw = record.image.read()
+                except OSError as exc:
+                    raise RejectedImage("missing file" if isinstance(exc, FileNotFoundError) else "unreadable file",
+                                        f"{record.image.path}: {exc.strerror or exc}") from None
+                image, width, height = clean_image(raw, self.max_side, self.jpeg_quality)
+            except RejectedImage as exc:
+                rejects.append(sources.Reject("image", record.source, exc.reason, exc.detail, record.image_id).to_json())
+                continue
+            rows.append({"image": image, "image_id": record.image_id, "captions": record.captions, "label": -1,
+                         "label_name": None, "width": width, "height": height, "source": record.source})
+        split_dir = self.out / plan["split"]
+        split_dir.mkdir(parents=True, exist_ok=True)
+        marker = {"fingerprint": plan["fingerprint"], "images": len(rows),
+                  "captions": sum(len(r["captions"]) for r in rows), "rejects": rejects,
+                  "bytes": write_shard(rows, split_dir / shard_name(plan["index"])),
+                  "sha256": file_digest(split_dir / shard_name(plan["index"]))}
+        path = _marker_path(self.out, plan["split"], plan["index"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_text(json.dumps(marker))
+        os.replace(tmp, path)
+        return {"split": plan["split"], "index": plan["index"], "images": len(rows), "rejected": len(rejects)}
+
+
+def _remove_leftovers(out: Path, plans: list[dict[str, Any]]) -> None:
+    """Temporary files of killed tasks, and shards an earlier, larger build left behind."""
+    planned = {(p["split"], shard_name(p["index"])) for p in plans}
+    for path in list(out.glob("*/*.tmp")) + list(out.glob(f"{MARKERS}/*/*.tmp")):
+        path.unlink()
+    for path in out.glob("*/part-*.parquet"):
+        if (path.parent.name, path.name) not in planned:
+            path.unlink()
+            _marker_path(out, path.parent.name, int(path.stem.split("-")[1])).unlink(missing_ok=True)
+
+
+def _reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
+    counts = collections.Counter((r["kind"], r["reason"]) for r in rejects)
+    return ", ".join(f"{n} × {kind}: {reason}" for (kind, reason), n in counts.most_common(top))
+
+
+def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
+    """Build ``cfg.out`` from ``cfg.input``; returns the manifest.
+
+    Raises :class:`BuildError` when more than ``max_reject_share`` of the images (or captions)
+    is rejected — after writing ``rejects.jsonl``, and without a manifest, so the directory
+    cannot be trained on by mistake.
+    """
+    import ray
+
+    try:
+        listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split,
+                                      image_key=cfg.csv_image_key, caption_key=cfg.csv_caption_key,
+                                      separator=cfg.csv_separator) if cfg.format == "csv" else \
+            sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split)
+    except sources.SourceError as exc:
+        raise BuildError(str(exc)) from None
+    if not listing.records:
+        raise BuildError(f"{cfg.input}: no usable image-caption records "
+                         f"({_reject_summary([r.to_json() for r in listing.rejects]) or 'the input is empty'})")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)  # a manifest only ever describes a finished build
+    plans = plan_shards(listing.records, cfg)
+    _remove_leftovers(out, plans)
+    pending = [p for p in plans if _read_marker(out, p) is None]
+
+    bar = tqdm(total=len(plans), initial=len(plans) - len(pending), desc=f"shards {out.name}", unit="shard",
+               disable=not progress)
+    if pending:
+        if not ray.is_initialized():
+            ray.init()
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        tasks = ray.data.from_items(pending, override_num_blocks=len(pending)).map(
+            BuildShard(out, cfg.max_side, cfg.jpeg_quality), num_cpus=1)
+        for row in tasks.iter_rows():
+            bar.update()
+            bar.set_postfix_str(f"{row['split']} part {row['index']}: {row['images']} images, "
+                                f"{row['rejected']} rejected")
+    bar.close()
+
+    markers = [(plan, _read_marker(out, plan)) for plan in plans]
+    incomplete = [shard_name(p["index"]) for p, m in markers if m is None]
+    if incomplete:
+        raise BuildError(f"{len(incomplete)} shards did not complete (e.g. {incomplete[0]}); re-run to resume")
+    rejects = [r.to_json() for r in listing.rejects] + [r for _, m in markers for r in m["rejects"]]
+    with open(out / REJECTS, "w", encoding="utf-8") as f:
+        for reject in rejects:
+            f.write(json.dumps(reject, ensure_ascii=False, sort_keys=True) + "\n")
+
+    splits: dict[str, dict[str, int]] = {}
+    for plan, marker in markers:
+        counts = splits.setdefault(plan["split"], {"images": 0, "captions": 0, "shards": 0})
+        counts["images"] += marker["images"]
+        counts["captions"] += marker["captions"]
+        counts["shards"] += 1
+    kept_images = sum(c["images"] for c in splits.values())
+    kept_captions = sum(c["captions"] for c in splits.values())
+    bad_images = sum(r["kind"] != "caption" for r in rejects)
+    bad_captions = len(rejects) - bad_images
+    shares = {"images": bad_images / max(kept_images + bad_images, 1),
+              "captions": bad_captions / max(kept_captions + bad_captions, 1)}
+    worst = max(shares, key=shares.get)
+    if shares[worst] > cfg.max_reject_share:
+        raise BuildError(
+            f"{shares[worst]:.1%} of the {worst} were rejected (limit max_reject_share={cfg.max_reject_share:.0%}); "
+            f"mostly {_reject_summary(rejects)}. Every reject is listed with its source in {out / REJECTS}")
+    return write_manifest(
+        out, source=f"{cfg.format}:{Path(cfg.input).name}", splits=splits, rejected=len(rejects),
+        digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers},
+        build=cfg.model_dump(mode="json", exclude={"out"}), captions_recoded=listing.captions_recoded,
+        duplicate_image_ids=sum(r.get("reason") == "duplicate image id" for r in rejects))
+
+
+# --------------------------------------------------------------------------- inspect
+
+def sample_rows(root: Path, split: str, n: int) -> list[dict[str, Any]]:
+    """``n`` rows spread evenly over the split's first shard."""
+    table = pq.read_table(split_files(root, split)[0])
+    step = max(table.num_rows // max(n, 1), 1)
+    return table.take(list(range(0, table.num_rows, step))[:n]).to_pylist()
+
+
+def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile: int = 192,
+                  caption_lines: int = 4) -> Path:
+    """A PNG grid of the rows' images, each above its id and first captions."""
+    from matplotlib import font_manager  # matplotlib comes with mlflow; its DejaVu Sans covers accents
+
+    font = ImageFont.truetype(font_manager.findfont("DejaVu Sans"), 11)
+    line_h, text_h = 15, 15 * (caption_lines + 1)
+    grid_rows = -(-len(rows) // columns)
+    sheet = Image.new("RGB", (columns * (tile + 8) + 8, grid_rows * (tile + text_h + 12) + 8), "white")
+    draw = ImageDraw.Draw(sheet)
+    chars = tile // 6
+    for i, row in enumerate(rows):
+        x = 8 + (i % columns) * (tile + 8)
+        y = 8 + (i // columns) * (tile + text_h + 12)
+        with Image.open(io.BytesIO(row["image"])) as image:
+            thumb = ImageOps.contain(image.convert("RGB"), (tile, tile))
+        sheet.paste(thumb, (x + (tile - thumb.width) // 2, y + (tile - thumb.height) // 2))
+        lines = [f"{row['image_id']}  {row['width']}×{row['height']}"]
+        for caption in row["captions"]:
+            lines += [caption[k:k + chars] for k in range(0, len(caption), chars)]
+        for k, line in enumerate(lines[:caption_lines + 1]):
+            draw.text((x, y + tile + 4 + k * line_h), line, fill="black" if k else "gray", font=font)
+    sheet.save(path)
+    return path
+
+
+def inspect(root: Path, samples: int = 4, sheet: Path | None = None, sheet_images: int = 12) -> str:
+    """A readable report — counts, schema, sample rows, top reject reasons — and a contact
+    sheet PNG (default ``DIR/contact_sheet.png``) of the first split."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    lines = [f"{root}: {manifest['source']} (schema v{manifest['schema_version']}), "
+             f"content hash {manifest['content_hash'][:12]}"]
+    for split, c in sorted(manifest["splits"].items()):
+        lines.append(f"  {split:<8} {c['images']:>9,} images {c['captions']:>10,} captions {c['shards']:>5} shards")
+    lines.append(f"  rejected: {manifest['rejected']}")
+    rejects_file = root / REJECTS
+    if rejects_file.is_file() and manifest["rejected"]:
+        rejects = [json.loads(line) for line in rejects_file.read_text(encoding="utf-8").splitlines()]
+        lines.append(f"  mostly {_reject_summary(rejects)} (see {rejects_file})")
+    first = sorted(manifest["splits"])[0]
+    lines += ["", "schema:", str(pq.read_schema(split_files(root, first)[0]))]
+    lines += ["", f"sample of {first}:"]
+    for row in sample_rows(root, first, samples):
+        lines.append(f"  {row['image_id']} {row['width']}×{row['height']} {len(row['image']):,} B  "
+                     f"{row['captions'][:2]}{' …' if len(row['captions']) > 2 else ''}")
+    sheet = contact_sheet(sample_rows(root, first, sheet_images), Path(sheet or root / "contact_sheet.png"))
+    lines += ["", f"contact sheet: {sheet}"]
+    return "\n".join(lines)

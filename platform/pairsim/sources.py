@@ -1,0 +1,326 @@
+"""Image-caption sources a shard build reads: Karpathy split files, open_clip CSV lists,
+img2dataset WebDataset tars and image folders with a JSONL of captions.
+
+Each ``list_*`` function turns its input into a :class:`Listing`: one :class:`Record` per image
+(where its bytes are, its captions, the split) in input order, and the :class:`Reject`\\ s found
+on the way (bad lines, empty captions, duplicate ids). Nothing here opens an image; the shard
+builder (:mod:`pairsim.shards`) does that in Ray Data tasks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import tarfile
+import unicodedata
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+FORMATS = ("karpathy", "csv", "webdataset", "folder")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+
+
+class SourceError(ValueError):
+    """An input that cannot be read at all (as opposed to a bad record, which is rejected)."""
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image's encoded bytes are: a file, or ``size`` bytes at ``offset`` of a tar."""
+
+    path: str
+    offset: int = -1  # -1: the whole file at ``path``
+    size: int = -1  # bytes, -1 when unknown (a missing file)
+
+    def read(self) -> bytes:
+        with open(self.path, "rb") as f:
+            if self.offset < 0:
+                return f.read()
+            f.seek(self.offset)
+            return f.read(self.size)
+
+
+@dataclass
+class Record:
+    split: str
+    image_id: str
+    image: ImageRef
+    captions: list[str]
+    source: str  # file:line, file:images[i] or tar:member — where a person finds it
+
+
+@dataclass(frozen=True)
+class Reject:
+    """One rejected image, caption or input record, with where it came from and why."""
+
+    kind: Literal["image", "caption", "record"]
+    source: str
+    reason: str
+    detail: str = ""
+    image_id: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {k: v for k, v in self.__dict__.items() if v}
+
+
+@dataclass
+class Listing:
+    records: list[Record] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+    captions_recoded: int = 0  # captions that were not UTF-8 and were decoded as cp1252 / latin-1
+
+
+def decode_text(raw: bytes) -> tuple[str, bool]:
+    """Bytes → text: UTF-8 (BOM tolerated), else cp1252, else latin-1 (never fails).
+    Returns (text, whether it was not UTF-8)."""
+    try:
+        return raw.decode("utf-8-sig"), False
+    except UnicodeDecodeError:
+        pass
+    try:
+        return raw.decode("cp1252"), True
+    except UnicodeDecodeError:
+        return raw.decode("latin-1"), True
+
+
+def clean_caption(text: str) -> str:
+    """NFC-normalised, control characters dropped, whitespace runs collapsed to one space."""
+    text = unicodedata.normalize("NFC", text)
+    text = "".join(c if unicodedata.category(c)[0] != "C" else " " for c in text)
+    return " ".join(text.split())
+
+
+def _add_captions(record: Record, raw_captions: Iterable[str | bytes], listing: Listing, where: str) -> None:
+    for k, raw in enumerate(raw_captions):
+        if isinstance(raw, bytes):
+            raw, recoded = decode_text(raw)
+            listing.captions_recoded += recoded
+        if not isinstance(raw, str):
+            listing.rejects.append(Reject("caption", f"{where}[{k}]", "caption is not text", repr(raw)[:80],
+                                          record.image_id))
+            continue
+        caption = clean_caption(raw)
+        if caption:
+            record.captions.append(caption)
+        else:
+            listing.rejects.append(Reject("caption", f"{where}[{k}]", "empty caption", repr(raw)[:80],
+                                          record.image_id))
+
+
+def _finish(listing: Listing) -> Listing:
+    """Drop images left without captions and later records of an image id already seen."""
+    seen: dict[str, str] = {}
+    kept = []
+    for record in listing.records:
+        if not record.captions:
+            listing.rejects.append(Reject("image", record.source, "no valid caption", image_id=record.image_id))
+        elif record.image_id in seen:
+            listing.rejects.append(Reject("image", record.source, "duplicate image id",
+                                          f"first seen at {seen[record.image_id]}", record.image_id))
+        else:
+            seen[record.image_id] = record.source
+            kept.append(record)
+    listing.records = kept
+    return listing
+
+
+def _file_ref(path: Path) -> ImageRef:
+    try:
+        return ImageRef(str(path), size=path.stat().st_size)
+    except OSError:
+        return ImageRef(str(path))  # missing: the build rejects it with the reason
+
+
+def _relative_id(name: str) -> str:
+    return Path(os.path.normpath(name)).as_posix()
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise SourceError(f"{path}: cannot read: {exc}") from None
+
+
+def list_karpathy(path: Path, images_root: Path) -> Listing:
+    """``dataset_coco.json`` / ``dataset_flickr30k.json``: ``images[]`` with ``filepath`` (COCO
+    only), ``filename``, ``split`` (``restval`` counts as train) and ``sentences[].raw``.
+    The image id is ``cocoid`` where present, else the file name without extension."""
+    text, _ = decode_text(_read_bytes(path))
+    try:
+        entries = json.loads(text)["images"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise SourceError(f"{path}: not a Karpathy split file (expected {{'images': [...]}}): {exc}") from None
+    listing = Listing()
+    for i, entry in enumerate(entries):
+        where = f"{path.name}:images[{i}]"
+        try:
+            name = Path(entry.get("filepath") or "") / entry["filename"]
+            split = "train" if entry["split"] == "restval" else str(entry["split"])
+            image_id = str(entry["cocoid"]) if "cocoid" in entry else Path(entry["filename"]).stem
+            sentences = [s["raw"] for s in entry["sentences"]]
+        except (KeyError, TypeError, AttributeError) as exc:
+            listing.rejects.append(Reject("record", where, "malformed entry", f"missing or bad field {exc}"))
+            continue
+        record = Record(split, image_id, _file_ref(images_root / name), [], where)
+        _add_captions(record, sentences, listing, f"{where}.sentences")
+        listing.records.append(record)
+    return _finish(listing)
+
+
+def _decoded_lines(raw: bytes, listing: Listing) -> Iterator[str]:
+    for line in raw.splitlines(keepends=True):
+        text, recoded = decode_text(line)
+        listing.captions_recoded += recoded
+        yield text
+
+
+def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepath",
+             caption_key: str = "title", separator: str = "\t") -> Listing:
+    """open_clip's CSV: a header row, then one caption per line; lines naming the same image
+    path are one image with several captions. Each line is decoded on its own (a stray
+    non-UTF-8 line does not spoil the file)."""
+    listing = Listing()
+    reader = csv.reader(_decoded_lines(_read_bytes(path), listing), delimiter=separator)
+    header = next(reader, None)
+    if header is None or image_key not in header or caption_key not in header:
+        raise SourceError(f"{path}: header {header} lacks the image column {image_key!r} and/or the caption "
+                          f"column {caption_key!r} (set them with --csv-image-key / --csv-caption-key, the "
+                          f"separator with --csv-separator; now {separator!r})")
+    image_col, caption_col = header.index(image_key), header.index(caption_key)
+    by_path: dict[str, Record] = {}
+    for row in reader:
+        where = f"{path.name}:{reader.line_num}"
+        if len(row) != len(header):
+            listing.rejects.append(Reject("record", where, "malformed line",
+                                          f"{len(row)} fields, header has {len(header)}"))
+            continue
+        image_id = _relative_id(row[image_col])
+        if image_id not in by_path:
+            by_path[image_id] = Record(split, image_id, _file_ref(images_root / image_id), [], where)
+            listing.records.append(by_path[image_id])
+        _add_captions(by_path[image_id], [row[caption_col]], listing, where)
+    return _finish(listing)
+
+
+def list_folder(path: Path, images_root: Path, split: str) -> Listing:
+    """A JSONL of ``{"file", "caption"}`` or ``{"file", "captions"}`` beside (or naming files
+    under ``images_root``); lines naming the same file are one image."""
+    listing = Listing()
+    by_file: dict[str, Record] = {}
+    for number, line in enumerate(_decoded_lines(_read_bytes(path), listing), start=1):
+        where = f"{path.name}:{number}"
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            name = entry["file"]
+            captions = entry["captions"] if "captions" in entry else [entry["caption"]]
+            if not isinstance(name, str) or not isinstance(captions, list):
+                raise TypeError("'file' must be a string and 'captions' a list")
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            listing.rejects.append(Reject("record", where, "malformed line", f"{type(exc).__name__}: {exc}"))
+            continue
+        image_id = _relative_id(name)
+        if image_id not in by_file:
+            by_file[image_id] = Record(split, image_id, _file_ref(images_root / image_id), [], where)
+            listing.records.append(by_file[image_id])
+        _add_captions(by_file[image_id], captions, listing, where)
+    return _finish(listing)
+
+
+def tar_files(path: Path) -> list[Path]:
+    """One ``.tar`` or a directory of them (sorted)."""
+    files = sorted(path.glob("*.tar")) if path.is_dir() else [path]
+    if not files:
+        raise SourceError(f"{path}: no .tar files")
+    return files
+
+
+def _split_key(name: str) -> tuple[str, str]:
+    """WebDataset naming: the key is everything before the first dot of the base name."""
+    head, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{head}/{stem}" if head else stem), ext.lower()
+
+
+def list_webdataset(path: Path, split: str) -> Listing:
+    """img2dataset tars: ``key.jpg|png|webp`` + ``key.txt`` (+ optional ``key.json``, whose
+    ``caption`` stands in when the .txt is missing). Uncompressed tars only (img2dataset's
+    output): images are read later by offset. A truncated tar keeps the members before the
+    break and records one reject for the rest."""
+    listing = Listing()
+    for tar_path in tar_files(path):
+        samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+        try:
+            with tarfile.open(tar_path, "r:") as tar:
+                while True:
+                    try:
+                        member = tar.next()
+                    except (tarfile.ReadError, EOFError) as exc:
+                        listing.rejects.append(Reject("record", f"{tar_path.name}", "truncated tar",
+                                                      f"after {len(samples)} samples: {exc}"))
+                        break
+                    if member is None:
+                        break
+                    if member.isfile():
+                        key, ext = _split_key(member.name)
+                        samples.setdefault(key, {})[ext] = member
+                texts = {key: _member_bytes(tar, files.get("txt")) for key, files in samples.items()}
+                metas = {key: _member_bytes(tar, files.get("json")) for key, files in samples.items()}
+        except tarfile.ReadError as exc:
+            raise SourceError(f"{tar_path}: not an uncompressed tar ({exc}); img2dataset writes plain .tar "
+                              "files — decompress others first") from None
+        for key, files in samples.items():
+            image = next((files[e.lstrip(".")] for e in IMAGE_EXTENSIONS if e.lstrip(".") in files), None)
+            where = f"{tar_path.name}:{key}"
+            if image is None:
+                listing.rejects.append(Reject("image", where, "no image file",
+                                              f"members: {sorted(files)}", key))
+                continue
+            record = Record(split, key, ImageRef(str(tar_path), image.offset_data, image.size),
+                            [], f"{tar_path.name}:{image.name}")
+            caption = texts[key]
+            if caption is None and metas[key] is not None:
+                caption = _json_caption(metas[key])
+            if caption is None:
+                listing.rejects.append(Reject("image", where, "no caption", "neither .txt nor json caption", key))
+                continue
+            _add_captions(record, [caption], listing, where)
+            listing.records.append(record)
+    return _finish(listing)
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo | None) -> bytes | None:
+    if member is None:
+        return None
+    with tar.extractfile(member) as f:
+        return f.read()
+
+
+def _json_caption(raw: bytes) -> str | None:
+    try:
+        caption = json.loads(decode_text(raw)[0]).get("caption")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return caption if isinstance(caption, str) else None
+
+
+def list_source(fmt: str, path: Path, images_root: Path | None, split: str, **csv_options: str) -> Listing:
+    """Dispatch on ``fmt`` (one of :data:`FORMATS`)."""
+    path = Path(path)
+    if not path.exists():
+        raise SourceError(f"--input {path}: no such file or directory")
+    root = Path(images_root) if images_root is not None else (path if path.is_dir() else path.parent)
+    if fmt == "karpathy":
+        return list_karpathy(path, root)
+    if fmt == "csv":
+        return list_csv(path, root, split, **csv_options)
+    if fmt == "webdataset":
+        return list_webdataset(path, split)
+    if fmt == "folder":
+        return list_folder(path, root, split)
+    raise SourceError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")

@@ -1,0 +1,302 @@
+"""The shard builder: each source format, built from small generated inputs holding every kind of
+bad record, gives the right shards, manifest and rejects; builds are deterministic and resume
+after a kill; ``inspect`` reports and draws a contact sheet."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from pairsim import shards
+from pairsim.config import BuildConfig, ConfigError
+
+NON_ASCII = "un café ☕ à Zürich, 東京の夜"
+CP1252 = "naïve résumé"  # written as cp1252 bytes where the format allows raw bytes
+MAX_SIDE = 64
+
+
+def _encode(image: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def _gradient(w, h):
+    x = np.linspace(0, 255, w, dtype=np.uint8)[None, :, None]
+    y = np.linspace(0, 255, h, dtype=np.uint8)[:, None, None]
+    return Image.fromarray(np.concatenate(np.broadcast_arrays(x, y, 255 - x), axis=2).astype(np.uint8), "RGB")
+
+
+def messy_images() -> dict[str, tuple[bytes, tuple[int, int] | str]]:
+    """name → (bytes, expected stored (width, height) or the reject reason)."""
+    rotated = _gradient(40, 20)
+    exif = rotated.getexif()
+    exif[0x0112] = 6  # rotate 90° clockwise to display
+    alpha = Image.new("RGBA", (30, 30), (255, 0, 0, 255))
+    alpha.paste((0, 0, 0, 0), (0, 0, 15, 30))  # left half fully transparent
+    deep = Image.fromarray(np.arange(24 * 24, dtype=np.uint16).reshape(24, 24) * 100)
+    good_jpeg = _encode(_gradient(48, 32), "JPEG")
+    return {
+        "rgb.jpg": (good_jpeg, (48, 32)),
+        "rgb.png": (_encode(_gradient(30, 40), "PNG"), (30, 40)),
+        "rotated.jpg": (_encode(rotated, "JPEG", exif=exif), (20, 40)),
+        "gray.png": (_encode(_gradient(32, 32).convert("L"), "PNG"), (32, 32)),
+        "palette.png": (_encode(_gradient(32, 24).convert("P"), "PNG"), (32, 24)),
+        "cmyk.jpg": (_encode(_gradient(24, 24).convert("CMYK"), "JPEG"), (24, 24)),
+        "deep.png": (_encode(deep, "PNG"), (24, 24)),
+        "alpha.png": (_encode(alpha, "PNG"), (30, 30)),
+        "big.jpg": (_encode(_gradient(256, 128), "JPEG"), (MAX_SIDE, MAX_SIDE // 2)),
+        "photo.webp": (_encode(_gradient(36, 36), "WEBP"), (36, 36)),
+        "corrupt.jpg": (b"\xff\xd8 certainly not a jpeg" * 10, "corrupt image"),
+        "truncated.jpg": (good_jpeg[: len(good_jpeg) // 2], "truncated image"),
+        "empty.png": (b"", "empty file"),
+    }
+
+
+GOOD = [n for n, (_, want) in messy_images().items() if isinstance(want, tuple)]
+BAD = {n: want for n, (_, want) in messy_images().items() if isinstance(want, str)}
+
+
+def _captions(name: str) -> list[str]:
+    return [f"a picture called {name}", f"{NON_ASCII} ({name})"]
+
+
+def write_images(root: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, (raw, _) in messy_images().items():
+        (root / name).write_bytes(raw)
+
+
+def make_karpathy(tmp: Path) -> tuple[Path, Path]:
+    write_images(tmp / "images" / "val2014")
+    names = list(messy_images()) + ["missing.jpg"]
+    entries = [{"filepath": "val2014", "filename": n, "cocoid": i, "split": ["train", "restval", "val"][i % 3],
+                "sentences": [{"raw": c} for c in _captions(n)] + [{"raw": "   "}]}
+               for i, n in enumerate(names)]
+    entries.append({"filepath": "val2014", "filename": "rgb.png", "cocoid": 0, "split": "train",
+                    "sentences": [{"raw": "a second entry with an id already used"}]})
+    entries.append({"filepath": "val2014", "cocoid": 99, "split": "train", "sentences": []})  # no filename
+    path = tmp / "dataset_coco.json"
+    path.write_text(json.dumps({"images": entries, "dataset": "coco"}))
+    return path, tmp / "images"
+
+
+def make_csv(tmp: Path) -> tuple[Path, Path]:
+    write_images(tmp / "imgs")
+    lines = ["filepath\ttitle\n".encode()]
+    for n in list(messy_images()) + ["missing.jpg"]:
+        lines += [f"imgs/{n}\t{c}\n".encode() for c in _captions(n)]
+    lines += ["./imgs/rgb.jpg\t\n".encode(),  # an empty caption of an image already listed
+              b"imgs/gray.png\t" + CP1252.encode("cp1252") + b"\n",
+              "imgs/rgb.png\tthree\tfields\n".encode()]
+    path = tmp / "train.csv"
+    path.write_bytes(b"".join(lines))
+    return path, tmp
+
+
+def make_folder(tmp: Path) -> tuple[Path, Path]:
+    write_images(tmp / "photos")
+    lines = [json.dumps({"file": n, "captions": _captions(n) + [""]}, ensure_ascii=False).encode()
+             for n in list(messy_images()) + ["missing.jpg"]]
+    lines += [json.dumps({"file": "gray.png", "caption": "one more for gray"}).encode(),
+              b'{"file": "rgb.png", "caption": ' + json.dumps(CP1252).encode() + b"}",
+              b"{not json"]
+    path = tmp / "photos" / "captions.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path, None
+
+
+def _add(tar: tarfile.TarFile, name: str, raw: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(raw)
+    tar.addfile(info, io.BytesIO(raw))
+
+
+def make_webdataset(tmp: Path) -> tuple[Path, Path]:
+    tars = tmp / "tars"
+    tars.mkdir(parents=True)
+    items = list(messy_images().items())
+    for part, chunk in enumerate((items[:7], items[7:])):
+        with tarfile.open(tars / f"{part:05d}.tar", "w") as tar:
+            for name, (raw, _) in chunk:
+                key = name.replace(".", "_")
+                _add(tar, f"{key}.{name.rsplit('.', 1)[1]}", raw)
+                _add(tar, f"{key}.txt", f"{_captions(name)[1]}".encode())
+                _add(tar, f"{key}.json", json.dumps({"key": key, "url": f"http://x/{name}"}).encode())
+            if part == 1:
+                _add(tar, "rgb_jpg.jpg", items[0][1][0])  # the key of a sample in the first tar
+                _add(tar, "rgb_jpg.txt", b"the same key again")
+                _add(tar, "latin.png", items[1][1][0])
+                _add(tar, "latin.txt", CP1252.encode("cp1252"))
+                _add(tar, "onlyjson.png", items[1][1][0])
+                _add(tar, "onlyjson.json", json.dumps({"caption": "caption from the json"}).encode())
+                _add(tar, "noimage.txt", b"a caption without its image")
+                _add(tar, "blank.png", items[1][1][0])
+                _add(tar, "blank.txt", b" \t ")
+    return tars, None
+
+
+FORMATS = {"karpathy": make_karpathy, "csv": make_csv, "folder": make_folder, "webdataset": make_webdataset}
+
+
+def _build(fmt: str, tmp: Path, **options):
+    source, images_root = FORMATS[fmt](tmp / "src")
+    cfg = BuildConfig(format=fmt, input=source, images_root=images_root, out=tmp / "out", max_side=MAX_SIDE,
+                      **({"max_reject_share": 0.5} | options))
+    return cfg, shards.build(cfg, progress=False)
+
+
+def _rows(root: Path, split: str) -> list[dict]:
+    return pq.read_table(shards.split_files(root, split)).to_pylist()
+
+
+def _name(row, fmt) -> str:
+    """The messy_images name a stored row came from."""
+    source = row["source"]
+    if fmt == "webdataset":
+        return source.split(":")[1].rsplit(".", 1)[0].replace("_", ".")
+    return row["image_id"].rsplit("/", 1)[-1] if fmt != "karpathy" else list(messy_images())[int(row["image_id"])]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, ray_instance, tmp_path):
+    cfg, manifest = _build(fmt, tmp_path)
+    out = cfg.out
+    rows = [row for split in manifest["splits"] for row in _rows(out, split)]
+    # manifest counts are the shards' own
+    for split, counts in manifest["splits"].items():
+        split_rows = _rows(out, split)
+        assert counts["images"] == len(split_rows)
+        assert counts["captions"] == sum(len(r["captions"]) for r in split_rows)
+        assert counts["shards"] == len(shards.split_files(out, split))
+    assert manifest["content_hash"] == shards.content_hash(out)
+    if fmt == "karpathy":  # restval is train; val kept apart
+        assert sorted(manifest["splits"]) == ["train", "val"]
+
+    expected = {n: want for n, (_, want) in messy_images().items()}
+    stored = {_name(row, fmt): row for row in rows}
+    extra = {"latin", "onlyjson"} if fmt == "webdataset" else set()
+    assert set(stored) == set(GOOD) | extra
+    for name, row in stored.items():
+        with Image.open(io.BytesIO(row["image"])) as image:
+            assert image.format in ("JPEG", "PNG") and image.mode == "RGB", name
+            assert image.size == (row["width"], row["height"])
+            if name in expected:
+                assert image.size == expected[name], name
+            if name == "alpha.png":  # transparent half composited on white, opaque half red
+                assert image.getpixel((2, 15)) == (255, 255, 255) and image.getpixel((25, 15)) == (255, 0, 0)
+            if name == "deep.png":  # 16-bit values scaled, not clipped to white
+                assert 0 < np.asarray(image).mean() < 250
+    assert stored["rgb.jpg"]["image"] == messy_images()["rgb.jpg"][0]  # clean JPEGs are stored untouched
+    for name in GOOD:
+        assert f"{NON_ASCII} ({name})" in stored[name]["captions"]
+        assert all(c.strip() == c and c for c in stored[name]["captions"])
+
+    rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text(encoding="utf-8").splitlines()]
+    assert manifest["rejected"] == len(rejects)
+    assert all(r["source"] and r["reason"] for r in rejects)
+    image_reasons = {r["reason"] for r in rejects if r["kind"] == "image"}
+    assert set(BAD.values()) <= image_reasons
+    if fmt != "webdataset":
+        assert "missing file" in image_reasons
+        assert any(r["kind"] == "record" and r["reason"] in ("malformed line", "malformed entry") for r in rejects)
+    assert any(r["kind"] == "caption" and r["reason"] == "empty caption" for r in rejects)
+    if fmt in ("karpathy", "webdataset"):
+        dups = [r for r in rejects if r["reason"] == "duplicate image id"]
+        assert len(dups) == 1 and manifest["duplicate_image_ids"] == 1 and "first seen at" in dups[0]["detail"]
+    if fmt == "csv":
+        assert CP1252 in stored["gray.png"]["captions"] and manifest["captions_recoded"] == 1
+    if fmt == "folder":
+        assert CP1252 in stored["rgb.png"]["captions"] and "one more for gray" in stored["gray.png"]["captions"]
+    if fmt == "webdataset":
+        assert stored["latin"]["captions"] == [CP1252] and manifest["captions_recoded"] == 1
+        assert stored["onlyjson"]["captions"] == ["caption from the json"]
+        assert {"no image file", "no valid caption"} <= image_reasons
+
+
+def test_too_many_rejects_fail_the_build_naming_the_reasons(ray_instance, tmp_path):
+    with pytest.raises(shards.BuildError, match=r"of the images were rejected.*corrupt image") as err:
+        _build("csv", tmp_path, max_reject_share=0.05)
+    assert "max_reject_share" in str(err.value) and "rejects.jsonl" in str(err.value)
+    assert (tmp_path / "out" / shards.REJECTS).is_file()
+    assert not (tmp_path / "out" / shards.MANIFEST).exists()  # nothing to train on by mistake
+
+
+def test_bad_options_and_unreadable_inputs_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="max_reject_share"):
+        BuildConfig.from_args(format="csv", input=tmp_path, out=tmp_path, max_reject_share=2)
+    with pytest.raises(ConfigError, match="format"):
+        BuildConfig.from_args(format="tsv", input=tmp_path, out=tmp_path)
+    (tmp_path / "list.csv").write_text("path,text\na.jpg,hello\n")
+    with pytest.raises(shards.BuildError, match="lacks the image column 'filepath'"):
+        shards.build(BuildConfig(format="csv", input=tmp_path / "list.csv", out=tmp_path / "o"), progress=False)
+    with pytest.raises(shards.BuildError, match="no such file"):
+        shards.build(BuildConfig(format="folder", input=tmp_path / "nope.jsonl", out=tmp_path / "o"), progress=False)
+    (tmp_path / "x.tar").write_bytes(b"\x1f\x8b compressed")
+    with pytest.raises(shards.BuildError, match="not an uncompressed tar"):
+        shards.build(BuildConfig(format="webdataset", input=tmp_path / "x.tar", out=tmp_path / "o"), progress=False)
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.suffix in (".parquet", ".jsonl") or p.name == shards.MANIFEST}
+
+
+@pytest.mark.slow
+def test_a_killed_build_resumes_to_the_same_output(tmp_path):
+    """One image per shard, 120 shards: kill the build once some shards are done, re-run, and
+    compare with an uninterrupted build byte for byte."""
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = []
+    for i in range(120):
+        _gradient(64 + i, 48).save(src / f"{i:03d}.png")
+        lines.append(json.dumps({"file": f"{i:03d}.png", "captions": [f"scene {i}", f"picture {i}"]}))
+    (src / "captions.jsonl").write_text("\n".join(lines) + "\n")
+
+    def command(out):
+        return [sys.executable, "-m", "pairsim.cli", "shards", "build", "--format", "folder",
+                "--input", str(src / "captions.jsonl"), "--out", str(out), "--rows-per-shard", "1"]
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    subprocess.run(command(tmp_path / "whole"), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while len(list(killed.glob(f"{shards.MARKERS}/train/*.json"))) < 10:
+        assert proc.poll() is None and time.time() < deadline, "the build ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray instance it started
+    proc.wait()
+    done_at_kill = len(list(killed.glob(f"{shards.MARKERS}/train/*.json")))
+    assert done_at_kill < 120 and not (killed / shards.MANIFEST).exists()
+
+    resumed = subprocess.run(command(killed), check=True, env=env, capture_output=True, text=True)
+    assert "120 shards" in resumed.stdout
+    assert _tree(killed) == _tree(tmp_path / "whole")
+    assert not list(killed.rglob("*.tmp"))
+
+
+def test_inspect_reports_counts_and_draws_a_contact_sheet(ray_instance, tmp_path):
+    cfg, manifest = _build("folder", tmp_path)
+    report = shards.inspect(cfg.out, samples=3, sheet=tmp_path / "sheet.png")
+    assert f"{manifest['splits']['train']['images']:>9,} images" in report
+    assert "captions: list<element: string>" in report or "captions: list<item: string>" in report
+    assert "mostly" in report and "corrupt image" in report
+    assert report.count("a picture called") == 3
+    with Image.open(tmp_path / "sheet.png") as sheet:
+        assert sheet.mode == "RGB" and sheet.width > 4 * 192
+        # tiles are drawn: the sheet is not blank
+        assert np.asarray(sheet).std() > 10
