@@ -45,43 +45,43 @@ def test_equal_steps_stops_every_rank_with_the_shortest(free_port):
 
 @pytest.fixture(scope="module")
 def dataset_with_bad_images(tiny_dataset, tmp_path_factory):
-    """The tiny dataset with its last (56-row) train shard opening with 18 undecodable images:
-    garbage, a truncated PNG, empty bytes — more than a whole 16-row batch."""
+    """The tiny dataset (256 images) with 18 undecodable images added to its last shard —
+    garbage, a truncated PNG, empty bytes: more than a whole 16-row batch."""
     root = tmp_path_factory.mktemp("bad") / "shapes"
     shutil.copytree(tiny_dataset, root)
     last = sorted((root / "train").glob("*.parquet"))[-1]
     rows = pq.read_table(last).to_pylist()
-    for row in rows[:18]:
-        row["image"] = b"not an image"
-    rows[1]["image"] = rows[30]["image"][:40]  # truncated PNG
-    rows[2]["image"] = b""
-    pq.write_table(pa.Table.from_pylist(rows, schema=shards.SHARD_SCHEMA), last)
-    return root, {row["image_id"] for row in rows[:18]}
+    bad = [dict(rows[0], image_id=f"bad-{i:02d}", image=b"not an image") for i in range(18)]
+    bad[1]["image"] = rows[30]["image"][:40]  # truncated PNG
+    bad[2]["image"] = b""
+    pq.write_table(pa.Table.from_pylist(bad[:9] + rows + bad[9:], schema=shards.SHARD_SCHEMA), last)
+    return root, {row["image_id"] for row in bad}
 
 
-def _count_batches(config):
+def _record_epochs(config):
     import ray.train
 
     cfg = RunConfig.model_validate(config["cfg"])
     shard = ray.train.get_dataset_shard("train")
-    counts = []
-    for _ in range(2):  # two epochs
+    rank = ray.train.get_context().get_world_rank()
+    epochs = []
+    for epoch in range(2):
         batches = shard.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
-                                           local_shuffle_buffer_size=cfg.data.shuffle_buffer)
-        n = 0
+                                           local_shuffle_buffer_size=cfg.data.shuffle_buffer,
+                                           local_shuffle_seed=data.local_shuffle_seed(cfg.data.seed, epoch, rank))
+        seen = []
         for batch in data.equal_steps(batches):
             assert batch["pixels"].shape == (cfg.train.micro_batch_size, 3, 64, 64)
             assert batch["tokens"].shape == (cfg.train.micro_batch_size, 32)
-            n += 1
-        counts.append(n)
-    rank = ray.train.get_context().get_world_rank()
+            seen.append(batch["group_ids"].tolist())
+        epochs.append(seen)
     with open(f"{config['out']}/rank{rank}.json", "w") as f:
-        json.dump(counts, f)
+        json.dump(epochs, f)
 
 
 @pytest.mark.slow
-def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance, dataset_with_bad_images,
-                                                                    tmp_path):
+def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_images(
+        ray_instance, dataset_with_bad_images, tmp_path):
     import ray
     from ray.train import DataConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -91,25 +91,67 @@ def test_every_rank_runs_the_same_steps_and_bad_images_are_counted(ray_instance,
                                     "train": {"micro_batch_size": 16}})
     ledger = data.skip_ledger("test-ledger")
     trainer = TorchTrainer(
-        _count_batches, train_loop_config={"cfg": cfg.model_dump(mode="json"), "out": str(tmp_path)},
+        _record_epochs, train_loop_config={"cfg": cfg.model_dump(mode="json"), "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray")),
         datasets={"train": data.train_dataset(cfg, "test-ledger")},
-        dataset_config=DataConfig(datasets_to_split=["train"]))
+        dataset_config=DataConfig(datasets_to_split=["train"],
+                                  execution_options={"train": data.train_execution_options(cfg)}))
     trainer.fit()
-    counts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert counts[0] == counts[1], counts
-    # 238 decodable rows split equally: 119 per rank → 7 full batches of 16 each epoch
-    assert counts[0] == [7, 7]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    good = pq.read_table(shards.split_files(root, "train"), columns=["image_id"]).column("image_id").to_pylist()
+    good_groups = sorted(data.group_ids([i for i in good if i not in bad]).tolist())
+    for epoch in range(2):
+        # 256 decodable images split equally: 128 per rank, 8 full batches of 16 on each
+        assert [len(r[epoch]) for r in ranks] == [8, 8]
+        seen = [g for r in ranks for batch in r[epoch] for g in batch]
+        assert sorted(seen) == good_groups  # every image exactly once over the ranks
+    assert ranks[0][0] != ranks[0][1]  # a new order each epoch
     skipped = ray.get(ledger.get.remote())
     assert set(skipped) == bad
     assert all(reason for reason in skipped.values())
     ray.kill(ledger)
 
 
-def train_rows(root, n):
+def _epoch_orders(cfg, epochs=2):
+    """(group id, caption index, pixel checksum) of every pair, in stream order, per epoch."""
+    ds = data.train_dataset(cfg, "order-ledger")
+    ds.context.execution_options = data.train_execution_options(cfg)
+    orders = []
+    for _ in range(epochs):
+        order = []
+        for batch in ds.iter_batches(batch_size=64, batch_format="numpy"):
+            order += zip(batch["group_ids"].tolist(), batch["caption_index"].tolist(),
+                         batch["pixels"].reshape(len(batch["pixels"]), -1).sum(axis=1).round(3).tolist())
+        orders.append(order)
+    return orders
+
+
+@pytest.mark.slow
+def test_a_fixed_seed_gives_the_same_order_captions_and_augmentations(ray_instance, tiny_dataset):
+    import ray
+
+    ledger = data.skip_ledger("order-ledger")
+    cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "seed": 7}})
+    first, again = _epoch_orders(cfg), _epoch_orders(cfg)
+    other = _epoch_orders(cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 8})}), epochs=1)
+    ray.kill(ledger)
+    assert first == again  # both epochs replay exactly
+    assert first[0] != first[1] and first[0] != other[0]
+    for order in first + other:
+        assert len(order) == 256 and len({g for g, _, _ in order}) == 256
+    # files, captions and crops all move with the epoch
+    assert [g for g, _, _ in first[0]] != [g for g, _, _ in first[1]]
+    by_image = [dict((g, (k, p)) for g, k, p in order) for order in first]
+    assert sum(by_image[0][g][0] != by_image[1][g][0] for g in by_image[0]) > 128
+    assert sum(by_image[0][g][1] != by_image[1][g][1] for g in by_image[0]) > 200
+
+
+def train_rows(root, n, seed=0):
     batch = pq.read_table(shards.split_files(root, "train")[0]).slice(0, n).to_pydict()
-    return {k: np.asarray(v, dtype=object) for k, v in batch.items()}
+    rows = {k: np.asarray(v, dtype=object) for k, v in batch.items()}
+    rows["draw"] = np.random.default_rng(seed).random(n)
+    return rows
 
 
 def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
@@ -123,13 +165,38 @@ def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
     np.testing.assert_array_equal(groups[:, 0], data.group_ids(batch["image_id"]))
 
 
-def test_caption_draws_differ_between_the_copies_ray_ships_to_tasks(tiny_dataset):
+def test_all_pairs_gives_every_caption_of_every_image(tiny_dataset):
+    cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": "all"}})
+    batch = train_rows(tiny_dataset, 6)
+    out = data.TrainPreprocess(cfg, "unused-ledger")(batch)
+    assert out["tokens"].shape[0] == sum(len(c) for c in batch["captions"]) == 30
+    assert out["caption_index"].tolist() == [k for caps in batch["captions"] for k in range(len(caps))]
+
+
+def test_draws_decide_captions_and_augmentation(tiny_dataset):
+    """The same draws give the same pairs (whichever copy of the callable runs them); other
+    draws give other captions and crops."""
     import pickle
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)}})
     preprocess = data.TrainPreprocess(cfg, "unused-ledger")
-    batch = train_rows(tiny_dataset, 32)
-    draws = [pickle.loads(pickle.dumps(preprocess))(batch)["tokens"] for _ in range(2)]
-    assert draws[0].shape == (32, 32)
+    a, b = (pickle.loads(pickle.dumps(preprocess))(train_rows(tiny_dataset, 32)) for _ in range(2))
+    c = preprocess(train_rows(tiny_dataset, 32, seed=1))
+    for key in ("tokens", "pixels", "caption_index"):
+        np.testing.assert_array_equal(a[key], b[key])
     # 32 images × 5 captions: two independent draws agree on every image with chance 5^-32
-    assert not np.array_equal(draws[0], draws[1])
+    assert not np.array_equal(a["caption_index"], c["caption_index"])
+    assert not np.allclose(a["pixels"], c["pixels"])
+
+
+def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_it_starts(ray_instance, tiny_dataset):
+    from pairsim import train
+    from pairsim.config import ConfigError
+
+    cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)},
+                                    "train": {"num_workers": 2, "cpus_per_worker": 1.5}})
+    train.check_cpu_budget(cfg)  # 4 CPUs: 3 for training leave 1 for Data
+    with pytest.raises(ConfigError, match=r"train.num_workers × train.cpus_per_worker = 4 .* ray.data_cpus"):
+        train.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}))
+    with pytest.raises(ConfigError, match="data.max_cpus"):
+        train.check_ready(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))

@@ -82,15 +82,26 @@ def _pixels(transform, images: list[Image.Image], input_size: tuple[int, int, in
     return np.stack([transform(image).numpy() for image in images])
 
 
+def caption_picks(draws: np.ndarray, counts: np.ndarray, pairs: int | str) -> list[np.ndarray]:
+    """Caption indices per image: all of them (``pairs == "all"``), or ``pairs`` distinct ones
+    (with repeats only when an image has fewer), drawn from a generator seeded by the image's
+    uniform ``draw`` — so the picks depend on the seed and epoch, not on how rows were batched."""
+    if pairs == "all":
+        return [np.arange(n) for n in counts]
+    return [np.random.default_rng(int(u * 2**53)).choice(n, size=pairs, replace=n < pairs)
+            for u, n in zip(draws, counts)]
+
+
 class TrainPreprocess:
-    """Training pairs: ``pairs_per_image`` captions drawn per image (distinct while there are
-    enough), each with its own augmentation of the image, tokenized; ``group_ids`` from the
-    image id. With CUSA, the teachers' inputs (live: ``teacher_image.*``, ``teacher_text.*``)
-    or their extracted embeddings (``teacher_image``, ``teacher_text`` from a
+    """Training pairs: ``data.pairs_per_image`` captions per image (see :func:`caption_picks`),
+    each with its own augmentation of the image, tokenized; ``group_ids`` from the image id.
+    With CUSA, the teachers' inputs (live: ``teacher_image.*``, ``teacher_text.*``) or their
+    extracted embeddings (``teacher_image``, ``teacher_text`` from a
     :class:`~pairsim.teachers.TeacherStore`) ride along.
 
-    The generator is made per call: Ray ships a pickled copy of this object to every task, so a
-    generator made once would replay the same draws in every batch and epoch.
+    Randomness comes from the batch's ``draw`` column (Ray Data's seeded ``random()``, new each
+    epoch): the caption picks per image, and the augmentation from a generator seeded by the
+    batch's draws.
     """
 
     def __init__(self, cfg: RunConfig, ledger_name: str, teachers: dict | None = None, store=None):
@@ -102,13 +113,14 @@ class TrainPreprocess:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images, keep = self.decode(batch)
-        rng = np.random.default_rng()
-        picks = [rng.choice(len(caps), size=self.pairs, replace=len(caps) < self.pairs)
-                 for caps in batch["captions"][keep]]
-        image_of_pair = np.repeat(np.arange(len(keep)), self.pairs)
+        picks = caption_picks(batch["draw"][keep], np.array([len(c) for c in batch["captions"][keep]]), self.pairs)
+        image_of_pair = np.repeat(np.arange(len(keep)), [len(p) for p in picks]).astype(np.int64)
         caption_index = np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
         captions = [str(batch["captions"][keep[i]][k]) for i, k in zip(image_of_pair, caption_index)]
-        out = {"pixels": _pixels(self.transform, [images[i] for i in image_of_pair], self.input_size),
+        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use torch's global generator
+            torch.manual_seed(int(batch["draw"][0] * 2**53) if len(batch["draw"]) else 0)
+            pixels = _pixels(self.transform, [images[i] for i in image_of_pair], self.input_size)
+        out = {"pixels": pixels,
                "tokens": models.tokenizer(self.arch)(captions).numpy(),
                "group_ids": group_ids(batch["image_id"][keep])[image_of_pair],
                "caption_index": caption_index}
@@ -147,34 +159,56 @@ class EvalTexts:
         return {"image_id": np.asarray(ids), "tokens": models.tokenizer(self.arch)(texts).numpy()}
 
 
-def _read(cfg: RunConfig, split: str, columns: list[str], shuffle_files: bool = False,
+def _read(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int | None | bool = False,
           include_paths: bool = False) -> ray.data.Dataset:
+    """The split's shards, only ``columns`` read; file order shuffled each epoch (seeded) unless
+    ``shuffle_seed`` is False."""
     files = shards.split_files(cfg.data.path, split)
-    return ray.data.read_parquet(files, columns=columns, shuffle="files" if shuffle_files else None,
-                                 include_paths=include_paths)
+    shuffle = None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed)
+    return ray.data.read_parquet(files, columns=columns, shuffle=shuffle, include_paths=include_paths)
 
 
 def train_dataset(cfg: RunConfig, ledger_name: str) -> ray.data.Dataset:
-    """Training pairs (see :class:`TrainPreprocess`), teacher inputs or features included for CUSA."""
+    """Training pairs (see :class:`TrainPreprocess`), teacher inputs or features included for
+    CUSA: file order shuffled and a uniform ``draw`` per image, both seeded by ``data.seed``
+    and new each epoch."""
+    from ray.data.expressions import random
+
     from pairsim import teachers
 
     cusa = cfg.loss.cusa
     store = teachers.TeacherStore(cusa.teacher_features) if cusa and cusa.teacher_features else None
     live = teachers.build_teachers(cfg) if cusa and store is None else {}
-    ds = _read(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_files=True,
+    ds = _read(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_seed=cfg.data.seed,
                include_paths=store is not None)
-    return ds.map_batches(TrainPreprocess(cfg, ledger_name, live, store),
-                          batch_size=cfg.train.micro_batch_size, batch_format="numpy")
+    ds = ds.with_column("draw", random(seed=cfg.data.seed, reseed_after_execution=True))
+    return ds.map_batches(TrainPreprocess(cfg, ledger_name, live, store), batch_size=cfg.train.micro_batch_size,
+                          batch_format="numpy", num_cpus=cfg.data.cpus_per_task)
+
+
+def train_execution_options(cfg: RunConfig) -> ray.data.ExecutionOptions:
+    """Ray Data options of the train stream: the CPU cap (``data.max_cpus``) and, with a seed,
+    rows in their deterministic order (``preserve_order``)."""
+    return ray.data.ExecutionOptions(
+        preserve_order=cfg.data.seed is not None,
+        resource_limits=ray.data.ExecutionResources(cpu=cfg.data.max_cpus) if cfg.data.max_cpus else None)
 
 
 def eval_images(cfg: RunConfig, split: str, ledger_name: str) -> ray.data.Dataset:
     ds = _read(cfg, split, ["image", "image_id"])
-    return ds.map_batches(EvalImages(cfg, ledger_name), batch_size=cfg.eval.batch_size, batch_format="numpy")
+    return ds.map_batches(EvalImages(cfg, ledger_name), batch_size=cfg.eval.batch_size, batch_format="numpy",
+                          num_cpus=cfg.data.cpus_per_task)
 
 
 def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:
     ds = _read(cfg, split, ["image_id", "captions"])
-    return ds.map_batches(EvalTexts(cfg.model.arch), batch_size=cfg.eval.batch_size, batch_format="numpy")
+    return ds.map_batches(EvalTexts(cfg.model.arch), batch_size=cfg.eval.batch_size, batch_format="numpy",
+                          num_cpus=cfg.data.cpus_per_task)
+
+
+def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:
+    """The worker's local-shuffle seed: distinct per epoch and rank, None when unseeded."""
+    return None if seed is None else int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
 
 
 def equal_steps(batches: Iterable[Any], device: torch.device | str = "cpu") -> Iterator[Any]:

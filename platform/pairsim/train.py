@@ -55,8 +55,9 @@ class TrainingModule(torch.nn.Module):
 
 def steps_per_epoch(cfg: RunConfig) -> int:
     """Global steps in one epoch over the train split (the last partial global batch is dropped)."""
-    images = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]["images"]
-    return images * cfg.data.pairs_per_image // (cfg.train.micro_batch_size * cfg.train.num_workers)
+    counts = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
+    pairs = counts["captions"] if cfg.data.pairs_per_image == "all" else counts["images"] * cfg.data.pairs_per_image
+    return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers)
 
 
 def deepspeed_config(cfg: RunConfig, total_steps: int) -> dict[str, Any]:
@@ -252,7 +253,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     for epoch in range(start_epoch, cfg.train.epochs):
         batches = train_shard.iter_torch_batches(
             batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
-            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
+            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
+            local_shuffle_seed=data.local_shuffle_seed(cfg.data.seed, epoch, rank))
         timer = StepTimer(cfg.train.micro_batch_size * world)
         for epoch_step, batch in enumerate(data.equal_steps(batches), start=1):
             timer.batch_ready()
@@ -316,6 +318,9 @@ def check_ready(cfg: RunConfig) -> None:
     except FileNotFoundError as exc:
         raise ConfigError(f"data.path: {exc}") from None
     teachers.check_teachers(cfg)
+    if cfg.data.max_cpus is not None and cfg.data.max_cpus < cfg.data.cpus_per_task:
+        raise ConfigError(f"data.max_cpus: {cfg.data.max_cpus} is less than one task's data.cpus_per_task "
+                          f"({cfg.data.cpus_per_task}): ingest could never run")
     if steps_per_epoch(cfg) < 1:
         raise ConfigError(
             f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers is larger "
@@ -338,14 +343,27 @@ def init_ray(cfg: RunConfig) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
+def check_cpu_budget(cfg: RunConfig) -> None:
+    """Refuse a run whose training workers would leave Ray Data no CPU for one task (it would
+    wait forever for data), naming the knobs that fix it."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    train_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
+    if total - train_cpus < cfg.data.cpus_per_task:
+        raise ConfigError(
+            f"train.num_workers × train.cpus_per_worker = {train_cpus:g} of the cluster's {total:g} CPUs leaves "
+            f"{total - train_cpus:g} for Ray Data, less than one task's data.cpus_per_task ({cfg.data.cpus_per_task:g}); "
+            "lower them, add CPU nodes, or give a local instance more with ray.data_cpus")
+
+
 def fit(cfg: RunConfig) -> TrainResult:
     check_ready(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
     per_epoch = steps_per_epoch(cfg)
     ds_config = deepspeed_config(cfg, per_epoch * cfg.train.epochs)
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
-    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
     init_ray(cfg)
+    check_cpu_budget(cfg)
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = data.skip_ledger(ledger_name)
@@ -366,7 +384,8 @@ def fit(cfg: RunConfig) -> TrainResult:
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures)),
         datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"]),
+        dataset_config=DataConfig(datasets_to_split=["train"],
+                                  execution_options={"train": data.train_execution_options(cfg)}),
     )
     succeeded = False
     try:
