@@ -72,6 +72,7 @@ def _record_epochs(config):
         seen = []
         for batch in data.equal_steps(batches):
             assert batch["pixels"].shape == (cfg.train.micro_batch_size, 3, 64, 64)
+            assert batch["pixels"].dtype == torch.uint8  # normalised on the worker's device
             assert batch["tokens"].shape == (cfg.train.micro_batch_size, 32)
             seen.append(batch["group_ids"].tolist())
         epochs.append(seen)

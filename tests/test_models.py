@@ -35,9 +35,23 @@ def test_unknown_arch_and_missing_weights_name_their_field(tmp_path):
     models.check_model_config(ModelConfig(arch="ViT-B-32", pretrained="openai"))  # a known tag passes
 
 
-def test_train_transform_matches_the_model_input():
-    train_tf, eval_tf = models.image_transforms(ModelConfig(), augment=True)
+def test_uint8_transforms_then_normalizing_equal_open_clips_transforms():
+    """Ray Data ships uint8 pixels; PixelNormalizer finishes open_clip's transform on the device."""
+    import numpy as np
+    from open_clip.transform import image_transform_v2
     from PIL import Image
 
-    image = Image.new("RGB", (100, 80), (200, 30, 30))
-    assert train_tf(image).shape == eval_tf(image).shape == models.preprocess_cfg(ModelConfig()).input_size
+    cfg = ModelConfig()
+    pp = models.preprocess_cfg(cfg)
+    train_tf, eval_tf = models.image_transforms(cfg, augment=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (80, 100, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    assert train_tf(image).shape == eval_tf(image).shape == pp.input_size
+    assert eval_tf(image).dtype == np.uint8
+    ours = models.PixelNormalizer(cfg)(torch.from_numpy(eval_tf(image))[None])[0]
+    torch.testing.assert_close(ours, image_transform_v2(pp, is_train=False)(image), rtol=0, atol=1e-6)
+    torch.manual_seed(3)
+    augmented = models.PixelNormalizer(cfg)(torch.from_numpy(train_tf(image))[None])[0]
+    torch.manual_seed(3)
+    torch.testing.assert_close(augmented, image_transform_v2(pp, is_train=True)(image), rtol=0, atol=1e-6)
+    assert models.PixelNormalizer(cfg)(torch.from_numpy(eval_tf(image))[None], torch.bfloat16).dtype == torch.bfloat16

@@ -12,10 +12,12 @@ import functools
 import os
 from pathlib import Path
 
+import numpy as np
 import open_clip
 import torch
 import torch.nn.functional as F
 from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+from torchvision import transforms
 
 from pairsim.config import ConfigError, ModelConfig
 
@@ -62,11 +64,38 @@ def preprocess_cfg(cfg: ModelConfig) -> PreprocessCfg:
     return PreprocessCfg(**merged)
 
 
+def _uint8_chw(image) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+
+
 def image_transforms(cfg: ModelConfig, augment: bool):
-    """(train, eval) torchvision transforms: open_clip's random-resized-crop train transform or
-    its resize + centre-crop eval transform, with the model's mean and std."""
+    """(train, eval) PIL image → uint8 [3, H, W] array: open_clip's random-resized-crop train
+    transform or its resize + centre-crop eval transform, up to (not including) its
+    ``ToTensor`` and ``Normalize``, which :class:`PixelNormalizer` applies on the worker's
+    device — so a quarter of the bytes go through Ray's object store."""
     pp = preprocess_cfg(cfg)
-    return image_transform_v2(pp, is_train=augment), image_transform_v2(pp, is_train=False)
+    out = []
+    for is_train in (augment, False):
+        steps = image_transform_v2(pp, is_train=is_train).transforms
+        names = [type(t).__name__ for t in steps[-2:]]
+        if names != ["MaybeToTensor", "Normalize"]:
+            raise RuntimeError(f"open_clip's transform no longer ends in ToTensor + Normalize: {steps}")
+        out.append(transforms.Compose([*steps[:-2], _uint8_chw]))
+    return tuple(out)
+
+
+class PixelNormalizer:
+    """The end of open_clip's transform on the device: uint8 pixels → ``(x / 255 − mean) / std``
+    in float32, then cast to the model's ``dtype``."""
+
+    def __init__(self, cfg: ModelConfig):
+        pp = preprocess_cfg(cfg)
+        self.mean = torch.tensor(pp.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        self.std = torch.tensor(pp.std, dtype=torch.float32).view(1, -1, 1, 1)
+
+    def __call__(self, pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        mean, std = self.mean.to(pixels.device), self.std.to(pixels.device)
+        return ((pixels.float() / 255.0 - mean) / std).to(dtype)
 
 
 @functools.lru_cache(maxsize=4)

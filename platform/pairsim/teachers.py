@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
-from pairsim import models, shards
+from pairsim import data, models, shards
 from pairsim.config import ConfigError, ModelConfig, RunConfig, TeacherConfig
 
 STORE_MANIFEST = "teacher_manifest.json"
@@ -78,7 +78,7 @@ class SentenceTransformerTeacher(Teacher):
     def tokenizer(self):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.path))
+        return AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
 
     @functools.cached_property
     def model(self):
@@ -116,6 +116,10 @@ class OpenCLIPTeacher(Teacher):
         return models.image_transforms(self.model_cfg, augment=False)[1]
 
     @functools.cached_property
+    def normalize(self):
+        return models.PixelNormalizer(self.model_cfg)
+
+    @functools.cached_property
     def model(self):
         with torch.random.fork_rng():
             if self.seed is not None:
@@ -124,13 +128,13 @@ class OpenCLIPTeacher(Teacher):
 
     def prepare(self, items: Sequence[Any]) -> dict[str, np.ndarray]:
         if self.modality == "image":
-            return {"pixels": np.stack([self.transform(image).numpy() for image in items])}
+            return {"pixels": np.stack([self.transform(image) for image in items])}
         return {"tokens": models.tokenizer(self.model_cfg.arch)([str(t) for t in items]).numpy()}
 
     def encode(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         model = self.model.to(next(iter(inputs.values())).device)
         if self.modality == "image":
-            return model.encode_image(inputs["pixels"].float())
+            return model.encode_image(self.normalize(inputs["pixels"]))
         return model.encode_text(inputs["tokens"])
 
     def identity(self) -> dict[str, Any]:
@@ -246,12 +250,10 @@ class _EmbedShardRows:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         """Embeddings of every row whose image decodes; the others come back empty, with ``error``."""
-        from pairsim.data import open_image
-
         images, errors = [], []
         for raw in batch["image"]:
             try:
-                images.append(open_image(raw))
+                images.append(data.open_image(raw))
                 errors.append("")
             except Exception as exc:  # PIL raises many types for corrupt/truncated data
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -284,8 +286,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
     manifest = shards.read_manifest(cfg.data.path)
     skipped: dict[str, str] = {}
     for split in splits:
-        files = shards.split_files(cfg.data.path, split)
-        rows = ray.data.read_parquet(files, columns=["image", "image_id", "captions"], include_paths=True)
+        rows = data.read_split(cfg, split, ["image", "image_id", "captions"], include_paths=True)
         embedded = rows.map_batches(_EmbedShardRows, fn_constructor_args=(teachers,), batch_size=batch_size,
                                     concurrency=concurrency, batch_format="numpy")
         by_shard: dict[str, list[dict[str, Any]]] = {}

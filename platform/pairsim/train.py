@@ -148,12 +148,13 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
     gathering in step; rank 0 uses the result.
     """
     images, image_ids, texts, text_ids = [], [], [], []
+    normalize = models.PixelNormalizer(cfg.model)
     engine.eval()
     with torch.no_grad():
         for batch in ray.train.get_dataset_shard("val_images").iter_batches(
                 batch_size=cfg.eval.batch_size, batch_format="numpy"):
             if len(batch["image_id"]):
-                pixels = torch.from_numpy(batch["pixels"]).to(engine.device, dtype)
+                pixels = normalize(torch.from_numpy(batch["pixels"]).to(engine.device), dtype)
                 images.append(engine(image=pixels)["image"].float().cpu())
                 image_ids.append(batch["image_id"])
         for batch in ray.train.get_dataset_shard("val_texts").iter_batches(
@@ -166,16 +167,20 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
 
 
 class StepTimer:
-    """Time spent waiting for data vs computing, and samples/s over the current logging window."""
+    """One epoch's time spent waiting for data vs computing — the wait for its first batch (Ray
+    Data starting the epoch's stream) kept apart — and samples/s over the logging window."""
 
     def __init__(self, samples_per_step: int):
         self.samples_per_step = samples_per_step
         self.wait = self.compute = 0.0
+        self.first_batch_wait: float | None = None
         self.last = self.window_start = time.perf_counter()
         self.window_steps = 0
 
     def batch_ready(self) -> None:
         now = time.perf_counter()
+        if self.first_batch_wait is None:
+            self.first_batch_wait = now - self.last
         self.wait, self.last = self.wait + now - self.last, now
 
     def step_done(self) -> None:
@@ -189,9 +194,13 @@ class StepTimer:
         self.window_start, self.window_steps = self.last, 0
         return rate
 
-    @property
-    def wait_share(self) -> float:
-        return self.wait / max(self.wait + self.compute, 1e-9)
+    def metrics(self) -> dict[str, float]:
+        """``perf/data_wait_share`` of the epoch's step time, the same after the first batch
+        (``perf/data_wait_share_running``) and the first batch's wait in seconds."""
+        first = self.first_batch_wait or 0.0
+        return {"perf/data_wait_share": self.wait / max(self.wait + self.compute, 1e-9),
+                "perf/data_wait_share_running": (self.wait - first) / max(self.wait - first + self.compute, 1e-9),
+                "perf/first_batch_wait_s": first}
 
 
 def restore(engine) -> tuple[int, int]:
@@ -249,6 +258,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ledger = ray.get_actor(loop_config["ledger"])
     train_shard = ray.train.get_dataset_shard("train")
     per_epoch = loop_config["steps_per_epoch"]
+    normalize = models.PixelNormalizer(cfg.model)
 
     for epoch in range(start_epoch, cfg.train.epochs):
         batches = train_shard.iter_torch_batches(
@@ -259,8 +269,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         for epoch_step, batch in enumerate(data.equal_steps(batches), start=1):
             timer.batch_ready()
             try:
-                out = engine(image=batch["pixels"].to(engine.device, dtype), text=batch["tokens"].to(engine.device),
-                             group_ids=batch["group_ids"].to(engine.device),
+                out = engine(image=normalize(batch["pixels"].to(engine.device), dtype),
+                             text=batch["tokens"].to(engine.device), group_ids=batch["group_ids"].to(engine.device),
                              **teacher_embeddings(batch, live_teachers, engine.device))
             except FloatingPointError as exc:
                 raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
@@ -281,7 +291,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
         metrics = validate(engine, cfg, dtype, ledger, logger, step)
         if logger:
-            logger.log_metrics({"perf/data_wait_share": timer.wait_share}, step)
+            logger.log_metrics(timer.metrics(), step)
             say(f"epoch {epoch + 1} " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
         with tempfile.TemporaryDirectory() as ckpt_dir:
             engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
@@ -327,19 +337,27 @@ def check_ready(cfg: RunConfig) -> None:
             f"than the {cfg.data.train_split} split of {cfg.data.path}")
 
 
+IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit
+
+
 def init_ray(cfg: RunConfig) -> None:
     """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
     a local instance sized workers × CPUs + ``ray.data_cpus``.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
-    keeps ingest running beside them (logical CPUs: they may exceed the cores)."""
+    keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
+    instance keeps more idle worker processes than Ray's default (one per CPU, actors
+    included): otherwise the decode workers, which import torch and open_clip (~6 s), are
+    killed while the model is validated and every epoch starts cold (~9 s before its first
+    batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
+    ``RAY_num_workers_soft_limit``."""
     if ray.is_initialized():
         return
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=cfg.ray.address)  # None: Ray reads RAY_ADDRESS
     else:
         cpus = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus)
-        ray.init(num_cpus=cpus)
+        ray.init(num_cpus=cpus, _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
     ray.data.DataContext.get_current().enable_progress_bars = False
 
 
@@ -363,6 +381,7 @@ def fit(cfg: RunConfig) -> TrainResult:
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
     init_ray(cfg)
     check_cpu_budget(cfg)
+    data.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
 
     ledger_name = f"pairsim-skips-{run_name}"

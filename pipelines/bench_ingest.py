@@ -1,0 +1,177 @@
+"""Ingest throughput: pairsim's Ray Data pipeline against a torch ``DataLoader`` running the same
+decode / augment / tokenize code (``pairsim.data.TrainPreprocess``) with the same number of CPU
+workers over the same shards, in one run; then the share of step time a real training run
+(the demo's tiny model, 2 workers) spends waiting for data.
+
+    python pipelines/bench_ingest.py [--cpus 2] [--repeats 3] [--skip-training]
+
+Two datasets: the demo's 64 px shapes (PNG, tiny model's 64 px transform) and 400×300 JPEG
+"photos" built with ``pairsim shards build`` and cut to 224 px by ViT-B-32's transform.
+Throughput is images/s over a whole epoch (start-up included), the median of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from PIL import Image
+
+from pairsim import data, shards, synth
+from pairsim.config import BuildConfig, RunConfig
+
+
+def make_photos(out: Path, images: int) -> Path:
+    """``images`` 400×300 JPEGs of smooth colour fields plus noise (JPEG-sized like photos), as shards."""
+    if (out / shards.MANIFEST).exists():
+        return out
+    src = out.parent / f"{out.name}-src"
+    src.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:300, 0:400] / 400.0
+    with open(src / "captions.jsonl", "w") as f:
+        for i in range(images):
+            a, b, c = rng.random(3)
+            field = np.stack([np.sin(6 * a * xx + b), np.cos(5 * b * yy + c), np.sin(4 * c * (xx + yy))], -1)
+            pixels = np.clip(127 + 100 * field + rng.normal(0, 12, field.shape), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(src / f"{i:05d}.jpg", quality=90)
+            f.write(json.dumps({"file": f"{i:05d}.jpg",
+                                "captions": [f"photo {i} number {k} of a colourful field" for k in range(5)]}) + "\n")
+    shards.build(BuildConfig(format="folder", input=src / "captions.jsonl", out=out, rows_per_shard=256,
+                             max_side=512))
+    return out
+
+
+class ShardBatches(torch.utils.data.IterableDataset):
+    """The DataLoader baseline: each worker reads its share of the shards' row groups, in
+    micro-batches, and runs the very ``TrainPreprocess`` the Ray Data pipeline runs."""
+
+    def __init__(self, cfg: RunConfig, files: list[str]):
+        self.cfg, self.files = cfg, files
+        self.preprocess = data.TrainPreprocess(cfg, "unused-ledger")
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        groups = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
+        rng = np.random.default_rng(worker)
+        size = self.cfg.train.micro_batch_size
+        for k, (file, group) in enumerate(groups):
+            if k % workers != worker:
+                continue
+            table = pq.ParquetFile(file).read_row_group(group, columns=["image", "image_id", "captions"])
+            for start in range(0, table.num_rows - size + 1, size):
+                rows = table.slice(start, size).to_pydict()
+                batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()}
+                batch["draw"] = rng.random(size)
+                yield self.preprocess(batch)
+
+
+def dataloader_rate(cfg: RunConfig, cpus: int) -> float:
+    files = shards.split_files(cfg.data.path, cfg.data.train_split)
+    loader = torch.utils.data.DataLoader(ShardBatches(cfg, files), batch_size=None, num_workers=cpus,
+                                         prefetch_factor=4, multiprocessing_context="fork")
+    start, images = time.perf_counter(), 0
+    for batch in loader:
+        images += len(batch["pixels"])
+    return images / (time.perf_counter() - start)
+
+
+def ray_data_rate(cfg: RunConfig, dataset) -> float:
+    start, images = time.perf_counter(), 0
+    for batch in dataset.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
+                                            prefetch_batches=cfg.data.prefetch_batches,
+                                            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None):
+        images += len(batch["pixels"])
+    return images / (time.perf_counter() - start)
+
+
+def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, float, float]:
+    ledger = data.skip_ledger("bench-ingest")
+    dataset = data.train_dataset(cfg, "bench-ingest")
+    dataset.context.execution_options = data.train_execution_options(cfg)
+    ray_data_rate(cfg, dataset)  # warm-up: worker processes, imports, page cache
+    ray_rates = [ray_data_rate(cfg, dataset) for _ in range(repeats)]
+    loader_rates = [dataloader_rate(cfg, cpus) for _ in range(repeats)]
+    import ray
+
+    ray.kill(ledger)
+    return name, statistics.median(ray_rates), statistics.median(loader_rates)
+
+
+def data_wait(dataset: Path, out: Path, epochs: int) -> tuple[dict[str, list[float]], float]:
+    """(the perf/* data-wait metrics per epoch, median samples/s) of a real run of the demo config."""
+    from mlflow.tracking import MlflowClient
+
+    from pairsim import train
+    from pairsim.cli import DEMO_CONFIG
+    from pairsim.config import load_config
+
+    cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", f"train.epochs={epochs}",
+                                    f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
+    result = train.fit(cfg)
+    client = MlflowClient(result.tracking_uri)
+    waits = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key), key=lambda m: m.step)]
+             for key in ("perf/data_wait_share", "perf/data_wait_share_running", "perf/first_batch_wait_s")}
+    rates = [m.value for m in client.get_metric_history(result.mlflow_run_id, "train/samples_per_s")]
+    return waits, statistics.median(rates)
+
+
+def throughput_table(args: argparse.Namespace, shapes: Path, out: Path) -> None:
+    import ray
+
+    ray.init(num_cpus=args.cpus)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    photos = make_photos(out / "photos", args.images)
+    rows = []
+    for name, path, arch in (("shapes 64 px PNG → 64 (pairsim-tiny)", shapes, "pairsim-tiny"),
+                             ("photos 400×300 JPEG → 224 (ViT-B-32)", photos, "ViT-B-32")):
+        cfg = RunConfig.model_validate({"data": {"path": str(path), "val_split": "train"}, "model": {"arch": arch},
+                                        "train": {"micro_batch_size": args.batch_size}})
+        rows.append(throughput(name, cfg, args.cpus, args.repeats))
+    ray.shutdown()
+    print(f"\ningest throughput, {args.images} images, batch {args.batch_size}, {args.cpus} CPU workers each, "
+          f"median of {args.repeats} epochs")
+    print(f"{'data':<40}{'DataLoader img/s':>18}{'Ray Data img/s':>16}{'ratio':>8}")
+    for name, ray_rate, loader_rate in rows:
+        print(f"{name:<40}{loader_rate:>18.0f}{ray_rate:>16.0f}{ray_rate / loader_rate:>8.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpus", type=int, default=2, help="CPU workers for each pipeline")
+    parser.add_argument("--images", type=int, default=8192, help="train images per dataset")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs of the training run")
+    parser.add_argument("--train-images", type=int, default=10_000, help="shapes for the training run (the demo's)")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/ingest"))
+    args = parser.parse_args()
+    out = args.out.resolve()
+    shapes = out / "shapes"
+    if not (shapes / shards.MANIFEST).exists():
+        synth.generate(shapes, num_train=args.images, num_val=200, num_test=0, rows_per_shard=512)
+    if not args.skip_throughput:
+        throughput_table(args, shapes, out)
+    if not args.skip_training:
+        demo = out / "shapes-demo"
+        if not (demo / shards.MANIFEST).exists():
+            synth.generate(demo, num_train=args.train_images)
+        waits, rate = data_wait(demo, out / "train", args.epochs)
+        print(f"\ntraining run (demo config: pairsim-tiny, 2 workers × batch 64, {args.train_images} shapes, "
+              f"{rate:.0f} samples/s): share of step time waiting for data (target < 10%)")
+        print(f"{'epoch':<8}{'data wait':>10}{'after 1st batch':>17}{'1st batch wait s':>18}")
+        for epoch, (share, running, first) in enumerate(zip(*waits.values()), start=1):
+            print(f"{epoch:<8}{share:>10.1%}{running:>17.1%}{first:>18.1f}")
+
+
+if __name__ == "__main__":
+    main()
