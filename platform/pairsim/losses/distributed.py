@@ -14,17 +14,40 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+
+
+class _AllGather(torch.autograd.Function):
+    """All-gather along dim 0 with synchronous c10d calls. The backward all-reduces the
+    gradient of the gathered tensor (every worker's loss reads every slice) and keeps this
+    worker's slice — what ``torch.distributed.nn.all_gather`` did on gloo before torch 2.15
+    deprecated it. (Its suggested replacement, the functional collectives, keeps async work
+    handles in a process-wide registry; under Ray Train, whose training function runs in a
+    thread beside Ray Data's prefetch threads, runs with them aborted on heap corruption.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
+        out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
 
 
 def all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every worker's ``x`` concatenated along dim 0 in rank order; differentiable when ``x``
-    requires grad (``torch.distributed.nn.all_gather`` is deprecated in torch 2.15)."""
+    requires grad."""
     if world_size == 1:
         return x
     if x.requires_grad:
-        return funcol.all_gather_single_autograd(x, 0, dist.group.WORLD)
-    return funcol.all_gather_single(x.contiguous(), 0, dist.group.WORLD)
+        return _AllGather.apply(x)
+    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous())
+    return out
 
 
 @dataclass
