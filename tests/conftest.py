@@ -10,10 +10,21 @@ import pytest
 from pairsim import synth
 
 
+def unused_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on loopback (all held open while they are chosen, so the
+    kernel cannot hand out one twice)."""
+    probes = [socket.socket() for _ in range(n)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
+
+
 def unused_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return unused_ports(1)[0]
 
 
 @pytest.fixture

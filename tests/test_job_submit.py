@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import unused_port
+from conftest import unused_ports
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).parents[1]
@@ -24,9 +24,9 @@ def ray_head(tmp_path):
     """`ray start --head --block` on 127.0.0.1; stopping that process stops this head only."""
     # every port with a fixed default gets a free one: another Ray instance (the suite's own) may
     # hold the defaults, e.g. the dashboard agent's 52365
-    ports = {flag: unused_port() for flag in (
-        "port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "ray-client-server-port", "runtime-env-agent-port", "metrics-export-port")}
+    flags = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+             "ray-client-server-port", "runtime-env-agent-port", "metrics-export-port")
+    ports = dict(zip(flags, unused_ports(len(flags))))  # distinct: Ray refuses one port for two components
     temp_dir = tempfile.mkdtemp(prefix="pairsim-ray-")  # short: Ray's AF_UNIX socket paths max 107 bytes
     ray_bin = Path(sys.executable).parent / "ray"
     head = subprocess.Popen(
