@@ -40,9 +40,9 @@ def free_port_module() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
-    """256 train / 48 val shapes scenes at 64 px, in uneven shards (100, 100, 56 rows)."""
+    """256 train / 48 val / 32 test shapes scenes at 64 px, train in uneven shards (100, 100, 56 rows)."""
     root = tmp_path_factory.mktemp("shapes")
-    synth.generate(root, num_train=256, num_val=48, num_test=0, rows_per_shard=100, progress=False)
+    synth.generate(root, num_train=256, num_val=48, num_test=32, rows_per_shard=100, progress=False)
     return root
 
 

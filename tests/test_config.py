@@ -121,3 +121,25 @@ def test_config_files_layer_left_to_right(tmp_path):
     overlay.write_text(yaml.safe_dump({"loss": {"structure": "gcl", "gamma": 40}}))
     cfg = load_config([base, overlay], ["loss.margin=0.3"])
     assert (cfg.loss.structure, cfg.loss.gamma, cfg.loss.margin, cfg.train.epochs) == ("gcl", 40, 0.3, 2)
+
+
+@pytest.mark.parametrize("metric", ["rsum", "t2i_R@1", "i2t_mAP@R", "t2t_R-P", "i2i_R@10", "i2t_median_rank",
+                                    "grid_text2fused_R@1", "grid_fused2image_R@5"])
+def test_selection_metric_accepts_what_the_evaluation_reports(metric):
+    cfg = load_config(None, [f"eval.select_metric={metric}"])
+    assert cfg.eval.select_mode == ("min" if metric.endswith("median_rank") else "max")
+
+
+@pytest.mark.parametrize("metric", ["RSUM", "i2t_R@3", "grid_text2fused_R@10", "val/rsum", "t2i_recall"])
+def test_selection_metric_that_is_never_reported_is_refused(metric):
+    with pytest.raises(ConfigError, match="eval: Value error, select_metric"):
+        load_config(None, [f"eval.select_metric={metric}"])
+
+
+def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_dataset, capsys):
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 1
+    assert "not a pairsim checkpoint" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset), "--split", "dev"]) == 2
+    assert "--split" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 1
+    assert "not a pairsim checkpoint" in capsys.readouterr().err

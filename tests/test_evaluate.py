@@ -1,46 +1,174 @@
+import io
+import math
+
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from pairsim.evaluate import first_positive_rank, image_text_retrieval, recall_at_k
+from pairsim.evaluate import (SplitEmbeddings, blocked_retrieval_metrics, evaluate_split, grid_heatmap, grid_items,
+                              modality_grid, retrieval_gallery, retrieval_metrics, unimodal_metrics)
+from pairsim.models import ScoreSumFusion
 
 
-def test_recall_on_a_hand_computed_matrix():
-    # 3 queries × 4 keys. Query 0: positive key 2 ranked 2nd; query 1: positives 0 and 3, best at
-    # rank 1; query 2: positive key 1 ranked last (4th).
+def reference_metrics(sim, positives, ks):
+    """Every metric straight from its definition, one query at a time, in float64 Python."""
+    ranks_of_first, aps, rps, hits_at = [], [], [], {k: 0 for k in ks}
+    without = 0
+    for scores, pos in zip(sim.tolist(), positives.tolist()):
+        order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+        rel = [pos[j] for j in order]
+        r = sum(rel)
+        if r == 0:
+            without += 1
+            continue
+        first = rel.index(True) + 1
+        ranks_of_first.append(first)
+        for k in ks:
+            hits_at[k] += first <= k
+        aps.append(sum(sum(rel[:i]) / i for i in range(1, r + 1) if rel[i - 1]) / r)
+        rps.append(sum(rel[:r]) / r)
+    n = len(ranks_of_first)
+    out = {f"R@{k}": 100 * hits_at[k] / n for k in ks}
+    ranks = sorted(ranks_of_first)
+    out |= {"mAP@R": 100 * sum(aps) / n, "R-P": 100 * sum(rps) / n,
+            "median_rank": (ranks[(n - 1) // 2] + ranks[n // 2]) / 2, "n_queries_without_positive": without}
+    return out
+
+
+def test_metrics_on_a_hand_computed_matrix():
+    # query 0: positive ranked 2nd. Query 1: positives 0 and 3 ranked 1st and 3rd (R = 2: one in
+    # the top 2, AP = (1/2)(1/1)). Query 2: positive ranked last. Query 3: no positive.
     sim = torch.tensor([[0.9, 0.1, 0.5, 0.2],
                         [0.8, 0.7, 0.1, 0.3],
-                        [0.4, 0.0, 0.3, 0.2]])
-    pos = torch.tensor([[0, 0, 1, 0], [1, 0, 0, 1], [0, 1, 0, 0]], dtype=torch.bool)
-    assert first_positive_rank(sim, pos).tolist() == [2, 1, 4]
-    assert recall_at_k(sim, pos, ks=(1, 2, 3, 4)) == pytest.approx(
-        {"R@1": 100 / 3, "R@2": 200 / 3, "R@3": 200 / 3, "R@4": 100.0})
+                        [0.4, 0.0, 0.3, 0.2],
+                        [0.1, 0.2, 0.3, 0.4]])
+    pos = torch.tensor([[0, 0, 1, 0], [1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    assert retrieval_metrics(sim, pos, ks=(1, 2, 4)) == pytest.approx({
+        "R@1": 100 / 3, "R@2": 200 / 3, "R@4": 100.0, "mAP@R": 50 / 3, "R-P": 50 / 3, "median_rank": 2.0,
+        "n_queries_without_positive": 1.0})
 
 
 def test_ties_break_towards_the_lower_key_index():
-    sim = torch.tensor([[0.5, 0.5, 0.5]])
-    assert first_positive_rank(sim, torch.tensor([[False, False, True]])).tolist() == [3]
-    assert first_positive_rank(sim, torch.tensor([[True, False, False]])).tolist() == [1]
+    sim = torch.tensor([[0.5, 0.5, 0.5, 0.5]])
+    # rank order 0, 1, 2, 3: positives at ranks 2 and 4; R = 2, one in the top 2
+    metrics = retrieval_metrics(sim, torch.tensor([[False, True, False, True]]), ks=(1, 2))
+    assert metrics == pytest.approx({"R@1": 0.0, "R@2": 100.0, "mAP@R": 25.0, "R-P": 50.0, "median_rank": 2.0,
+                                     "n_queries_without_positive": 0.0})
+    assert retrieval_metrics(sim, torch.tensor([[True, False, False, False]]), ks=(1,))["R@1"] == 100.0
 
 
-def test_queries_without_positives_are_left_out():
-    sim = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
-    pos = torch.tensor([[True, False], [False, False]])
-    assert recall_at_k(sim, pos, ks=(1,)) == {"R@1": 100.0}
+def test_no_query_with_a_positive_is_an_error():
+    with pytest.raises(ValueError, match="no query has a positive"):
+        retrieval_metrics(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
 
 
-def test_image_text_retrieval_with_several_captions_per_image():
-    # 2 images, 5 captions: captions 0-2 describe image "a", 3-4 image "b".
-    image = torch.eye(3)[:2]                       # a = e0, b = e1
-    text = torch.tensor([[0.0, 0.0, 1.0],          # a, off-axis: scores 0 with both images
-                         [1.0, 0.0, 0.0],          # a
-                         [0.0, 1.0, 0.0],          # a, but points at b
-                         [0.0, 1.0, 0.0],          # b
-                         [0.6, 0.8, 0.0]])         # b
-    metrics = image_text_retrieval(image, ["a", "b"], text, ["a", "a", "a", "b", "b"], ks=(1, 5))
-    # i2t: a's best caption (1) is first; b ties captions 2 and 3 at 1.0, caption 2 (wrong) wins
-    # the tie by index, so b's first hit is at rank 2.
-    assert metrics["i2t_R@1"] == 50.0 and metrics["i2t_R@5"] == 100.0
-    # t2i: caption 0 ties (0, 0) → image a first: hit. 1 → a: hit. 2 → b: miss (R@1), hit at 2.
-    # 3 → b: hit. 4 → b (0.8 > 0.6): hit.
-    assert metrics["t2i_R@1"] == 80.0 and metrics["t2i_R@5"] == 100.0
-    assert metrics["rsum"] == 50.0 + 100.0 + 80.0 + 100.0
+def tied_problem(seed, n_queries, n_keys, n_labels, dim=4):
+    """Embeddings on a coarse grid (many exactly tied scores) with labels, some unknown (−1)."""
+    g = torch.Generator().manual_seed(seed)
+    queries = torch.randint(-2, 3, (n_queries, dim), generator=g).float() / 2
+    keys = torch.randint(-2, 3, (n_keys, dim), generator=g).float() / 2
+    query_labels = torch.randint(-1, n_labels, (n_queries,), generator=g)
+    key_labels = torch.randint(-1, n_labels, (n_keys,), generator=g)
+    return queries, keys, query_labels, key_labels
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dense_metrics_match_the_reference(seed):
+    queries, keys, ql, kl = tied_problem(seed, 40, 30, 6)
+    sim = queries @ keys.T
+    positives = (ql[:, None] == kl[None, :]) & (ql[:, None] >= 0)
+    assert retrieval_metrics(sim, positives, ks=(1, 5, 10)) == pytest.approx(
+        reference_metrics(sim.double(), positives, (1, 5, 10)), abs=1e-9)
+
+
+@pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 5)), (1, (1,), (3, 4)), (2, (1, 5), (64, 1000)),
+                                            (3, (2,), (1, 1))])
+def test_blocked_equals_dense_with_ties_and_self_exclusion(seed, ks, blocks):
+    """Small blocks force many merges of running top-Ds; few labels make R large; ks=(1,) keeps
+    the top list short so most first positives come from the exact rank passes."""
+    queries, keys, ql, kl = tied_problem(seed, 37, 37, 4)
+    sim = queries @ keys.T
+    positives = (ql[:, None] == kl[None, :]) & (ql[:, None] >= 0)
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, ks, query_block=blocks[0], key_block=blocks[1]) == \
+        pytest.approx(retrieval_metrics(sim, positives, ks), abs=1e-9)
+    # the query's own key (query i is key i) left out: −inf and not a positive in the dense form
+    eye = torch.eye(37, dtype=torch.bool)
+    dense = retrieval_metrics(sim.masked_fill(eye, -math.inf), positives & ~eye, ks)
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, ks, self_keys=torch.arange(37),
+                                     query_block=blocks[0], key_block=blocks[1]) == pytest.approx(dense, abs=1e-9)
+
+
+def test_blocked_takes_string_free_numpy_labels_and_is_deterministic():
+    queries, keys, ql, kl = tied_problem(5, 50, 80, 10)
+    first = blocked_retrieval_metrics(queries, keys, ql.numpy(), kl.numpy(), query_block=16, key_block=16)
+    assert first == blocked_retrieval_metrics(queries, keys, np.asarray(ql), np.asarray(kl), query_block=8,
+                                              key_block=32)
+
+
+def unit(*rows):
+    return torch.nn.functional.normalize(torch.tensor(rows, dtype=torch.float32), dim=1)
+
+
+def tiny_split(image_unimodal=None) -> SplitEmbeddings:
+    """Images a, b (class 0) and c (class 1); a and b have two captions each, c one. Caption rows
+    are out of caption order, so the grid must sort them."""
+    return SplitEmbeddings(
+        image=unit([1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 1]),
+        image_ids=np.array(["a", "b", "c"]), labels=np.array([0, 0, 1]),
+        #                 a/1           a/0           b/0           b/1           c/0
+        text=unit([0, 0, 1, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 1], [0, 1, 0, 0]),
+        text_image_ids=np.array(["a", "a", "b", "b", "c"]), caption_index=np.array([1, 0, 0, 1, 0]),
+        image_unimodal=image_unimodal)
+
+
+def test_grid_items_use_another_caption_for_keys_than_for_queries():
+    images, query_rows, key_rows = grid_items(tiny_split())
+    assert images.tolist() == [0, 1]          # c has a single caption
+    assert query_rows.tolist() == [1, 2]      # caption index 0 of a and b
+    assert key_rows.tolist() == [0, 3]        # caption index 1
+
+
+def test_modality_grid_on_a_known_geometry():
+    """Images a, b are orthogonal to every caption: image↔text ties, broken towards item a (50 %).
+    Captions of one item point the same way, so text↔text and everything fused find their item."""
+    grid = modality_grid(tiny_split(), ScoreSumFusion())
+    np.testing.assert_allclose(grid[1], [[100, 50, 100], [50, 100, 100], [100, 100, 100]])
+    np.testing.assert_allclose(grid[5], np.full((3, 3), 100.0))
+
+
+def test_unimodal_metrics_use_the_unimodal_heads_and_exclude_the_query_itself():
+    # cross-modal image embeddings put a and b next to c (another class); the uni-modal ones together
+    metrics = unimodal_metrics(tiny_split(), ks=(1,))
+    assert metrics["i2i_R@1"] == 0.0 and metrics["i2i_n_queries_without_positive"] == 1  # c: no other class-1 image
+    metrics = unimodal_metrics(tiny_split(image_unimodal=unit([1, 0.2, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0])), ks=(1,))
+    assert metrics["i2i_R@1"] == 100.0 and metrics["i2i_mAP@R"] == 100.0
+    # t2t: a/1 ↔ a/0 and b/0 ↔ b/1 identical; c/0 has no other caption
+    assert metrics["t2t_R@1"] == 100.0 and metrics["t2t_n_queries_without_positive"] == 1
+
+
+def test_unimodal_metrics_skip_images_without_class_labels():
+    split = tiny_split()
+    split.labels = np.array([-1, -1, -1])
+    assert not any(k.startswith("i2i") for k in unimodal_metrics(split, ks=(1,)))
+
+
+def test_evaluate_split_reports_every_family_and_draws_its_pictures(tmp_path):
+    split = tiny_split()
+    report = evaluate_split(split, ScoreSumFusion(), ks=(1, 5))
+    # a scores 0 with every caption: the tie goes to row 0 (a/1), a hit; b and c rank c/0 or b/0 first
+    assert report.metrics["i2t_R@1"] == pytest.approx(100 / 3) and report.metrics["rsum"] == pytest.approx(
+        sum(report.metrics[f"{d}_R@{k}"] for d in ("i2t", "t2i") for k in (1, 5)))
+    for key in ("i2t_mAP@R", "t2i_R-P", "t2i_median_rank", "t2t_R@5", "i2i_R@1", "grid_text2fused_R@1",
+                "grid_fused2image_R@5"):
+        assert key in report.metrics, key
+    heatmap = grid_heatmap(report.grid, tmp_path / "grid.png")
+    rows = {}
+    for name, colour in zip("abc", ("red", "green", "blue")):
+        buffer = io.BytesIO()
+        Image.new("RGB", (16, 16), colour).save(buffer, format="PNG")
+        rows[name] = {"image": buffer.getvalue(), "captions": [f"{name} zero", f"{name} one"]}
+    gallery = retrieval_gallery(split, lambda ids: {i: rows[i] for i in ids}, tmp_path / "gallery.png", k=3)
+    for path in (heatmap, gallery):
+        with Image.open(path) as image:
+            assert image.format == "PNG" and np.asarray(image.convert("L")).std() > 10

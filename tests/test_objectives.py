@@ -19,7 +19,8 @@ def run_config(dataset, work, objective, *extra):
     return load_config([DEMO_CONFIG, objective_config(objective)], [
         f"data.path={dataset}", "train.micro_batch_size=16", "train.epochs=3", "train.log_every_n_steps=1",
         "optim.warmup_steps=4", "optim.lr=1e-3", "optim.min_lr_ratio=0.5", "eval.batch_size=64",
-        f"tracking.tracking_uri=sqlite:///{work}/mlflow.db", f"ray.storage_path={work}/ray", *extra])
+        f"tracking.tracking_uri=sqlite:///{work}/mlflow.db", f"ray.storage_path={work}/ray",
+        "data.test_split=null", *extra])  # test evaluation is covered in test_train
 
 
 @pytest.mark.parametrize("objective", ["unified", "gcl_infonce", "gcl_unified", "cusa_unified"])

@@ -6,12 +6,18 @@ from pathlib import Path
 import mlflow
 import open_clip
 import pytest
+import ray
+import ray.train
 import torch
 from mlflow.tracking import MlflowClient
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
 
-from pairsim import train
-from pairsim.cli import DEMO_CONFIG, objective_config
-from pairsim.config import load_config
+from pairsim import export, models, train
+from pairsim.cli import DEMO_CONFIG, main, objective_config
+from pairsim.config import RunConfig, load_config
+from pairsim.losses import build_objective
+from pairsim.tracking import metric_key
 
 pytestmark = pytest.mark.slow
 STEPS_PER_EPOCH = 256 * 2 // (16 * 2)  # 2 captions per image per epoch
@@ -61,23 +67,31 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset)
     assert params["loss.base"] == "unified" and params["loss.margin"] == "0.1" and params["loss.gamma"] == "20.0"
     assert params["data.path"] == str(tiny_dataset)
     for key in ["train/loss", "train/lr", "train/samples_per_s", "val/i2t_R1", "val/i2t_R5", "val/i2t_R10",
-                "val/t2i_R1", "val/t2i_R5", "val/t2i_R10", "val/rsum", "data/skipped_images"]:
+                "val/t2i_R1", "val/t2i_R5", "val/t2i_R10", "val/rsum", "val/i2t_mAPR", "val/t2i_R-P",
+                "val/t2i_median_rank", "val/i2i_R1", "val/t2t_mAPR", "val/grid_text2fused_R1",
+                "val/grid_fused2image_R5", "data/skipped_images", "test/rsum", "test/i2i_R-P", "test/grid_text2text_R1"]:
         assert key in run.data.metrics, key
     assert run.data.metrics["data/skipped_images"] == 0
     # eval metrics once per epoch, at the epoch's last step
-    assert [s for s, _ in history(client, first.mlflow_run_id, "val/rsum")] == [
-        STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3, 4)]
+    rsum = history(client, first.mlflow_run_id, "val/rsum")
+    assert [s for s, _ in rsum] == [STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3, 4)]
+    # the best checkpoint is the best val epoch's (by RSUM), test evaluated with it at the end of each attempt
+    best_epoch = max(range(4), key=lambda e: (rsum[e][1], e)) + 1
+    assert int(run.data.tags["pairsim.best_epoch"]) == best_epoch
+    assert len(history(client, first.mlflow_run_id, "test/rsum")) == 2
     artifacts = {a.path for a in client.list_artifacts(first.mlflow_run_id)}
-    assert {"config.yaml", "config-attempt2.yaml", "deepspeed_config.json", "model"} <= artifacts
+    assert {"config.yaml", "config-attempt2.yaml", "deepspeed_config.json", "model", "eval"} <= artifacts
+    assert {a.path for a in client.list_artifacts(first.mlflow_run_id, "eval")} == {
+        "eval/test.json", "eval/test_modality_grid.png", "eval/test_gallery.png"}
     assert load_config(artifact_file(client, first.mlflow_run_id, "config.yaml")).train.epochs == 3
 
 
 def test_saved_weights_load_back_into_open_clip(zero2_runs):
     _, resumed, client = zero2_runs
-    weights = artifact_file(client, resumed.mlflow_run_id, "model/open_clip_weights.pt")
+    weights = artifact_file(client, resumed.mlflow_run_id, "model/model.pt")
     model, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(weights))
-    # the exported weights are the final DeepSpeed checkpoint's (the engine wraps model.clip)
-    module = torch.load(Path(resumed.checkpoint_path) / "deepspeed" / "mp_rank_00_model_states.pt",
+    # the exported weights are the best DeepSpeed checkpoint's (the engine wraps model.clip)
+    module = torch.load(Path(resumed.best_checkpoint_path) / "deepspeed" / "mp_rank_00_model_states.pt",
                         map_location="cpu", weights_only=False)["module"]
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, module["model.clip." + name].reshape(tensor.shape), msg=name)
@@ -102,14 +116,20 @@ def test_resumed_run_continues_at_the_next_step_with_its_optimizer_state(zero2_r
         assert {int(s["step"]) for s in optim.values()} == {4 * STEPS_PER_EPOCH}
 
 
-def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(ray_instance, tiny_dataset, tmp_path, mlflow_server):
+@pytest.fixture(scope="module")
+def zero3_run(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
     """ZeRO-3 partitions the parameters (export must gather them), the loss's learnable
     temperatures and the CUSA heads included; bf16 casts the model; the run goes to a real
     tracking server, with artifacts uploaded over HTTP."""
-    result = train.fit(load_config([DEMO_CONFIG, objective_config("cusa_unified")], overrides(
-        tiny_dataset, tmp_path, "train.epochs=1", "train.zero_stage=3", "train.precision=bf16",
-        "loss.base=infonce", "model.crossmodal_heads=true",
-        f"tracking.tracking_uri={mlflow_server}")))
+    cfg = load_config([DEMO_CONFIG, objective_config("cusa_unified")], overrides(
+        tiny_dataset, tmp_path_factory.mktemp("zero3"), "train.epochs=1", "train.zero_stage=3",
+        "train.precision=bf16", "loss.base=infonce", "model.crossmodal_heads=true",
+        f"tracking.tracking_uri={mlflow_server}"))
+    return cfg, train.fit(cfg)
+
+
+def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(zero3_run, mlflow_server, tmp_path):
+    _, result = zero3_run
     assert result.tracking_uri == mlflow_server
     client = MlflowClient(mlflow_server)
     losses = [v for _, v in history(client, result.mlflow_run_id, "train/loss")]
@@ -119,15 +139,127 @@ def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(ray_instance, tiny_
         values = [v for _, v in history(client, result.mlflow_run_id, key)]
         assert len(values) == len(losses) and all(low <= v <= high for v in values), (key, values)
     heads = torch.load(mlflow.artifacts.download_artifacts(
-        run_id=result.mlflow_run_id, tracking_uri=mlflow_server, artifact_path="model/pairsim_heads.pt",
+        run_id=result.mlflow_run_id, tracking_uri=mlflow_server, artifact_path="model/model.heads.pt",
         dst_path=str(tmp_path)))
-    assert {k.split(".")[1] for k in heads} == {"cross_heads", "unimodal_heads"}
+    assert {k.split(".")[0] for k in heads} == {"cross_heads", "unimodal_heads"}
     assert all(v.numel() > 0 and torch.isfinite(v).all() for v in heads.values())  # gathered from ZeRO-3
     weights = mlflow.artifacts.download_artifacts(run_id=result.mlflow_run_id, tracking_uri=mlflow_server,
-                                                  artifact_path="model/open_clip_weights.pt", dst_path=str(tmp_path))
+                                                  artifact_path="model/model.pt", dst_path=str(tmp_path))
     model, _, _ = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=weights)
     # ZeRO-3 partitions the model states themselves, one file per rank
     assert sorted(p.name for p in (Path(result.checkpoint_path) / "deepspeed").glob("*model_states.pt")) == [
         f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in (0, 1)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.state_dict()["token_embedding.weight"].abs().sum() > 0  # gathered, not empty shards
+
+
+def engine_embeddings(config):
+    """Ray Train worker: the checkpoint loaded back into a DeepSpeed engine the way a resumed run
+    loads it (same world size and ZeRO stage), embedding fixed inputs; rank 0 returns them."""
+    import deepspeed
+
+    cfg = RunConfig.model_validate(config["cfg"])
+    ctx = ray.train.get_context()
+    card = export.checkpoint_card(config["checkpoint"])
+    model = models.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    module = train.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=train.parameter_groups(module, 0.1),
+                                      config=train.deepspeed_config(cfg, 10))
+    engine.load_checkpoint(config["checkpoint"], tag=export.CHECKPOINT_TAG)
+    engine.eval()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
+    with torch.no_grad():
+        out = engine(image=config["pixels"].to(dtype), text=config["tokens"])
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=cfg.train.zero_stage == 3):
+        weights = {k: v.float().numpy().copy() for k, v in module.model.state_dict().items()}
+    return {k: v.float().numpy() for k, v in out.items()}, weights
+
+
+def fixed_inputs(cfg):
+    g = torch.Generator().manual_seed(0)
+    pixels = models.PixelNormalizer(cfg.model)(torch.randint(0, 256, (6, 3, 64, 64), generator=g))
+    tokens = models.tokenizer(cfg.model.arch)(["a red circle", "two blue squares", "a green cross left of a star",
+                                               "a tiny violet triangle", "three shapes", "an orange disc"])
+    return pixels, tokens
+
+
+def assert_export_gives_the_checkpoints_embeddings(cfg, checkpoint, tmp_path, atol, dtype=torch.float32):
+    """The exported weights, cast to the engine's ``dtype``, are the engine's, and the exported
+    model embeds as the engine does (up to ``atol``: the engine computes in ``dtype``)."""
+    written = export.export_checkpoint(checkpoint, tmp_path / "model.pt")
+    model, card = models.load_exported(written[0])
+    pixels, tokens = fixed_inputs(cfg)
+    reference = TorchTrainer(
+        engine_embeddings, train_loop_config={"cfg": cfg.model_dump(mode="json"), "checkpoint": str(checkpoint),
+                                              "pixels": pixels, "tokens": tokens},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+        run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray"))).fit().return_value
+    reference, engine_weights = reference
+    weights = model.state_dict()
+    assert weights.keys() == engine_weights.keys()
+    for key, value in weights.items():
+        torch.testing.assert_close(value.to(dtype).float(), torch.from_numpy(engine_weights[key]), atol=0, rtol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    with torch.no_grad():
+        exported = model(image=pixels, text=tokens)
+    assert set(exported) == set(reference)
+    for key, value in exported.items():
+        torch.testing.assert_close(value.float(), torch.from_numpy(reference[key].copy()), atol=atol, rtol=0,
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    return written, card
+
+
+def test_export_of_a_zero2_checkpoint_gives_the_engines_embeddings(zero2_runs, tiny_dataset, tmp_path):
+    _, resumed, _ = zero2_runs
+    cfg = load_config(DEMO_CONFIG, overrides(tiny_dataset, tmp_path))
+    written, card = assert_export_gives_the_checkpoints_embeddings(cfg, resumed.best_checkpoint_path, tmp_path,
+                                                                   atol=1e-5)
+    assert [p.name for p in written] == ["model.pt", "model.json"]  # the demo model has no extra heads
+    assert card["zero_stage"] == 2 and not card["fused"]
+
+
+def test_export_of_a_zero3_bf16_checkpoint_gives_the_engines_embeddings(zero3_run, tmp_path):
+    cfg, result = zero3_run
+    # the engine computes in bf16 from bf16 copies of the fp32 weights that are exported
+    written, card = assert_export_gives_the_checkpoints_embeddings(cfg, result.best_checkpoint_path, tmp_path,
+                                                                   atol=0.03, dtype=torch.bfloat16)
+    assert [p.name for p in written] == ["model.pt", "model.heads.pt", "model.json"]
+    assert card["zero_stage"] == 3 and card["unimodal_heads"] and not card["fused"]  # CUSA, not GCL
+
+
+def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_dataset, capsys):
+    """The standalone evaluation (Ray Data batch inference of the exported model) of the best
+    checkpoint on val gives the val metrics the engine computed in training, and on test the
+    run's own test metrics; both are logged into the run the checkpoint belongs to."""
+    _, resumed, client = zero2_runs
+    card = export.checkpoint_card(resumed.best_checkpoint_path)
+    args = ["evaluate", "--checkpoint", resumed.best_checkpoint_path, "--data", str(tiny_dataset),
+            "--tracking-uri", resumed.tracking_uri, "--set", "eval.batch_size=64"]
+    assert main(args + ["--split", "val"]) == 0
+    out = capsys.readouterr().out
+    assert "image→image" in out and "modality grid" in out
+    for key, value in card["val"].items():
+        if key.startswith("val/") and not key.endswith("median_rank"):
+            # the engine's value in training and the standalone one, logged at the same step
+            engine, standalone = [v for step, v in history(client, resumed.mlflow_run_id, metric_key(key))
+                                  if step == card["step"]]
+            # another summation order may flip a near-tie: at most one of the 48 images' ranks
+            assert engine == value and standalone == pytest.approx(value, abs=100 / 48 + 1e-9), key
+    assert main(args + ["--split", "test"]) == 0
+    test_rsum = [v for _, v in history(client, resumed.mlflow_run_id, "test/rsum")]
+    # both attempts' end-of-run evaluations and this one; the last attempt's best checkpoint is this one
+    assert len(test_rsum) == 3 and sum(v == pytest.approx(resumed.test_metrics["rsum"]) for v in test_rsum) >= 2
+
+
+def test_export_cli_registers_a_model_that_loads_with_mlflow(zero2_runs, tmp_path):
+    _, resumed, _ = zero2_runs
+    out = tmp_path / "exported" / "model.pt"
+    assert main(["export", "--run-id", resumed.mlflow_run_id, "--tracking-uri", resumed.tracking_uri,
+                 "--out", str(out), "--register", "pairsim-test"]) == 0
+    model, _, _ = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(out))
+    mlflow.set_tracking_uri(resumed.tracking_uri)
+    registered = mlflow.pytorch.load_model("models:/pairsim-test/1")
+    pixels, tokens = fixed_inputs(load_config(DEMO_CONFIG))
+    with torch.no_grad():
+        torch.testing.assert_close(registered(image=pixels)["image"], model.encode_image(pixels, normalize=True))
+        torch.testing.assert_close(registered(text=tokens)["text"], model.encode_text(tokens, normalize=True))

@@ -1,4 +1,5 @@
-"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``shards build|inspect``, ``data synth``."""
+"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``shards build|inspect``, ``evaluate``,
+``export``, ``data synth``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import codecs
 import sys
 from pathlib import Path
 
-from pairsim.config import BuildConfig, ConfigError, RunConfig, load_config
+from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
 from pairsim.shards import BuildError
 
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -23,26 +24,73 @@ def objective_config(name: str) -> Path:
     return path
 
 
-def results_table(metrics: dict[str, float], prefix: str = "val/") -> str:
-    """Image→text and text→image R@K as rows, then RSUM."""
-    ks = sorted({int(k.rsplit("@", 1)[1]) for k in metrics if k.startswith(prefix + "i2t_R@")})
-    lines = ["direction     " + "".join(f"{f'R@{k}':>8}" for k in ks)]
-    for direction, label in (("i2t", "image→text"), ("t2i", "text→image")):
-        lines.append(f"{label:<14}" + "".join(f"{metrics[f'{prefix}{direction}_R@{k}']:8.2f}" for k in ks))
-    lines.append(f"{'RSUM':<14}{metrics[prefix + 'rsum']:8.2f}")
-    return "\n".join(lines)
+def _print_run(run_id: str, tracking_uri: str) -> None:
+    print(f"\nMLflow run {run_id} in {tracking_uri}")
+    if tracking_uri.startswith("sqlite:///"):
+        print(f"look at it with:  mlflow ui --backend-store-uri {tracking_uri}")
 
 
 def _train(cfg: RunConfig) -> None:
-    from pairsim import train  # heavy imports only once the config is known to be good
+    from pairsim import evaluate, train  # heavy imports only once the config is known to be good
 
     result = train.fit(cfg)
+    val = {k.removeprefix("val/"): v for k, v in result.metrics.items() if k.startswith("val/")}
     print(f"\nval retrieval after {result.metrics.get('epoch')} epochs (run {result.run_name}):")
-    print(results_table(result.metrics))
-    print(f"\nMLflow run {result.mlflow_run_id} in {result.tracking_uri}")
-    if result.tracking_uri.startswith("sqlite:///"):
-        print(f"look at it with:  mlflow ui --backend-store-uri {result.tracking_uri}")
-    print(f"checkpoint: {result.checkpoint_path}")
+    print(evaluate.format_report(val, cfg.eval.ks))
+    if result.test_metrics:
+        print(f"\n{cfg.data.test_split} retrieval of the best checkpoint (by val {cfg.eval.select_metric}):")
+        print(evaluate.format_report(result.test_metrics, cfg.eval.ks))
+    _print_run(result.mlflow_run_id, result.tracking_uri)
+    print(f"best checkpoint: {result.best_checkpoint_path}\nlatest checkpoint: {result.checkpoint_path}")
+
+
+def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> list[Path]:
+    """``--checkpoint`` consolidated, or ``--run-id``'s exported model, written to ``out``."""
+    from pairsim import export
+
+    if args.checkpoint:
+        return export.export_checkpoint(args.checkpoint, out)
+    return export.download_run_model(args.run_id, tracking_uri, out)
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    import functools
+    import tempfile
+
+    from pairsim import evaluate, models, shards, tracking, train
+
+    tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    if args.split not in shards.read_manifest(args.data)["splits"]:
+        raise ConfigError(f"--split: {args.data} has no split {args.split!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model, card = models.load_exported(_model_source(args, tracking_uri, Path(tmp) / "model.pt")[0])
+    overrides = [f"data.path={args.data}", f"eval.batch_size={args.batch_size}",
+                 f"eval.concurrency={args.concurrency}"] + args.overrides
+    cfg = load_config(overrides=overrides).model_copy(update={"model": ModelConfig.model_validate(card["model"])})
+    train.init_ray(cfg)
+    embeddings = evaluate.embed_with_ray_data(model, cfg, args.split)
+    report = evaluate.evaluate_split(embeddings, models.fusion_module(model, cfg.model), cfg.eval.ks)
+    print(f"{args.split} of {args.data}, model from {args.checkpoint or 'run ' + args.run_id}:")
+    print(evaluate.format_report(report.metrics, cfg.eval.ks))
+    run_id = args.run_id or tracking.find_run(tracking_uri, Path(args.checkpoint).resolve().parent.name)
+    if run_id is None:
+        run_id = tracking.create_run(tracking_uri, "pairsim-eval", f"eval-{Path(args.checkpoint).name}",
+                                     {"pairsim.checkpoint": str(Path(args.checkpoint).resolve())})
+    logger = tracking.RunLogger(tracking_uri, run_id)
+    evaluate.log_report(logger, report, embeddings, functools.partial(shards.read_rows, args.data, args.split),
+                        args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
+    _print_run(run_id, tracking_uri)
+
+
+def _export(args: argparse.Namespace) -> None:
+    from pairsim import export, tracking
+
+    tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    written = _model_source(args, tracking_uri, args.out)
+    print("wrote " + ", ".join(str(p) for p in written))
+    if args.register:
+        version = export.register_model(args.out, args.register, tracking_uri, args.run_id)
+        print(f"registered as {args.register} version {version} in {tracking_uri}")
 
 
 def _demo(objective: str | None, overrides: list[str]) -> None:
@@ -118,6 +166,13 @@ def add_shards_parser(sub) -> None:
     inspect.add_argument("--sheet", type=Path, help="contact sheet PNG (default DIR/contact_sheet.png)")
 
 
+def _add_model_source(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="a pairsim (Ray Train + DeepSpeed) checkpoint directory")
+    source.add_argument("--run-id", help="an MLflow training run: its exported best model")
+    parser.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_shards_parser(sub)
 
+    evaluate = sub.add_parser("evaluate", help="the evaluation suite on a split, printed and logged to MLflow")
+    _add_model_source(evaluate)
+    evaluate.add_argument("--data", type=Path, required=True, help="dataset directory holding manifest.json")
+    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument("--batch-size", type=int, default=256)
+    evaluate.add_argument("--concurrency", type=int, default=1, help="Ray Data actors embedding the split")
+    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="run-config override, e.g. --set eval.ks=[1,5]")
+
+    export = sub.add_parser("export", help="open_clip weights (+ heads side file) from a checkpoint or run")
+    _add_model_source(export)
+    export.add_argument("--out", type=Path, required=True, help="weights file, e.g. model.pt")
+    export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
+                                                             "it under NAME in MLflow's model registry")
+
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
     synth.add_argument("--out", type=Path, required=True)
@@ -167,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             _extract_teacher(load_config(args.config, args.overrides), args)
         elif args.command == "shards":
             _shards(args)
+        elif args.command == "evaluate":
+            _evaluate(args)
+        elif args.command == "export":
+            _export(args)
         elif args.command == "data":
             from pairsim import synth
 

@@ -7,6 +7,7 @@ starts: unknown keys and bad values are all reported at once, each with its dott
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,6 +30,8 @@ class DataConfig(_Section):
     path: Path = Field(Path("data/shapes"), description="dataset directory holding manifest.json")
     train_split: str = "train"
     val_split: str = "val"
+    test_split: str | None = Field("test", description="evaluated once, with the best checkpoint, at the end of "
+                                                       "training when the data has it")
     augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
     pairs_per_image: Annotated[int, Field(ge=1)] | Literal["all"] = Field(
         1, description="captions drawn per image per epoch (k ≥ 1, each its own pair with the same group id), "
@@ -165,16 +168,33 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """Retrieval evaluation on the val split after each epoch."""
+    """The evaluation suite (:mod:`pairsim.evaluate`): on the val split after each epoch, and on
+    the test split once, with the best checkpoint, at the end."""
 
     batch_size: int = Field(256, ge=1)
     ks: tuple[int, ...] = (1, 5, 10)
+    select_metric: str = Field(
+        "rsum", description="val metric that picks the best checkpoint (the lowest for *median_rank, else the "
+                            "highest), e.g. rsum, t2i_R@1, i2t_mAP@R, t2t_R-P, i2i_R@5, grid_text2fused_R@1")
+    concurrency: int = Field(1, ge=1, description="Ray Data actors embedding a split for the end-of-run and "
+                                                  "standalone evaluations")
 
     @model_validator(mode="after")
-    def _positive_ks(self) -> EvalConfig:
+    def _known_metric(self) -> EvalConfig:
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError("ks must be a non-empty list of integers >= 1")
+        ks = "|".join(str(k) for k in self.ks)
+        pattern = (rf"rsum|(i2t|t2i|t2t|i2i)_(R@({ks})|mAP@R|R-P|median_rank)"
+                   r"|grid_(image|text|fused)2(image|text|fused)_R@(1|5)")
+        if not re.fullmatch(pattern, self.select_metric):
+            raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports "
+                             f"(rsum, i2t_/t2i_/t2t_/i2i_ + R@k for k in ks, mAP@R, R-P or median_rank, "
+                             f"grid_<query>2<key>_R@1 or _R@5)")
         return self
+
+    @property
+    def select_mode(self) -> str:
+        return "min" if self.select_metric.endswith("median_rank") else "max"
 
 
 class TrackingConfig(_Section):

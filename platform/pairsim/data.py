@@ -145,19 +145,23 @@ class EvalImages:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images, keep = self.decode(batch)
-        return {"image_id": batch["image_id"][keep], "pixels": _pixels(self.transform, images, self.input_size)}
+        return {"image_id": batch["image_id"][keep], "label": batch["label"][keep].astype(np.int64),
+                "pixels": _pixels(self.transform, images, self.input_size)}
 
 
 class EvalTexts:
-    """Every caption of every image as its own row, tokenized."""
+    """Every caption of every image as its own row (with its index among the image's
+    captions), tokenized."""
 
     def __init__(self, arch: str):
         self.arch = arch
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ids = [str(i) for i, caps in zip(batch["image_id"], batch["captions"]) for _ in caps]
+        index = [k for caps in batch["captions"] for k in range(len(caps))]
         texts = [str(c) for caps in batch["captions"] for c in caps]
-        return {"image_id": np.asarray(ids), "tokens": models.tokenizer(self.arch)(texts).numpy()}
+        return {"image_id": np.asarray(ids), "caption_index": np.asarray(index, dtype=np.int64),
+                "tokens": models.tokenizer(self.arch)(texts).numpy()}
 
 
 class InSlices:
@@ -238,7 +242,7 @@ def train_execution_options(cfg: RunConfig) -> ray.data.ExecutionOptions:
 
 
 def eval_images(cfg: RunConfig, split: str, ledger_name: str) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image", "image_id"]), EvalImages(cfg, ledger_name),
+    return map_shards(read_split(cfg, split, ["image", "image_id", "label"]), EvalImages(cfg, ledger_name),
                       cfg.eval.batch_size, cfg)
 
 

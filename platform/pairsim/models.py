@@ -9,8 +9,10 @@ registered in open_clip's model registry on import, so ``open_clip.create_model_
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import open_clip
@@ -183,3 +185,55 @@ def create_retrieval_model(cfg: ModelConfig, fused: bool = False, unimodal_heads
 def open_clip_state(state_dict: dict[str, torch.Tensor], prefix: str = "clip.") -> dict[str, torch.Tensor]:
     """The open_clip part of a :class:`RetrievalModel` state dict, with open_clip's own key names."""
     return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def model_card(cfg: ModelConfig, model: RetrievalModel, **extra: Any) -> dict[str, Any]:
+    """What rebuilds ``model`` around exported weights (JSON-ready), plus ``extra`` facts."""
+    return {"model": cfg.model_dump(mode="json"), "fused": model.fusion is not None,
+            "unimodal_heads": model.unimodal_heads is not None, **extra}
+
+
+def exported_files(weights: str | Path) -> tuple[Path, Path, Path]:
+    """(open_clip weights, heads side file, model card) of an export: ``model.pt``,
+    ``model.heads.pt``, ``model.json``."""
+    weights = Path(weights)
+    return weights, weights.with_suffix(".heads.pt"), weights.with_suffix(".json")
+
+
+def write_exported(card: dict[str, Any], state_dict: dict[str, torch.Tensor], weights: str | Path) -> list[Path]:
+    """Write a :class:`RetrievalModel` state dict as open_clip weights (loadable by
+    ``open_clip.create_model_and_transforms(arch, pretrained=weights)``), its heads in a side
+    file (when it has any) and its card; returns the files written."""
+    weights, heads_file, card_file = exported_files(weights)
+    written = [save_open_clip_weights(open_clip_state(state_dict), weights)]
+    heads = {k: v.detach().float().cpu() for k, v in state_dict.items() if not k.startswith("clip.")}
+    if heads:
+        torch.save(heads, heads_file)
+        written.append(heads_file)
+    card_file.write_text(json.dumps(card, indent=2))
+    return written + [card_file]
+
+
+def load_exported(weights: str | Path) -> tuple[RetrievalModel, dict[str, Any]]:
+    """The :class:`RetrievalModel` (eval mode, fp32) and card of an export written by
+    :func:`write_exported`; the open_clip weights go through open_clip's own loader."""
+    weights, heads_file, card_file = exported_files(weights)
+    if not card_file.is_file():
+        raise FileNotFoundError(f"{card_file}: no model card beside {weights} (not a pairsim export?)")
+    card = json.loads(card_file.read_text())
+    cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights)})
+    model = create_retrieval_model(cfg, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    if heads_file.is_file():
+        missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu"), strict=False)
+        missing = [k for k in missing if not k.startswith("clip.")]
+        if missing or unexpected:
+            raise ValueError(f"{heads_file}: heads do not fit the model card (missing {missing}, "
+                             f"unexpected {unexpected})")
+    elif model.cross_heads is not None or model.unimodal_heads is not None:
+        raise FileNotFoundError(f"{heads_file}: the model card names heads, but their file is missing")
+    return model.eval(), card
+
+
+def fusion_module(model: RetrievalModel, cfg: ModelConfig) -> torch.nn.Module:
+    """The model's own fusion module, else the configured one (the evaluation's image+text items)."""
+    return model.fusion if model.fusion is not None else FUSIONS[cfg.fusion]()

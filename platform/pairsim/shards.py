@@ -398,6 +398,14 @@ def sample_rows(root: Path, split: str, n: int) -> list[dict[str, Any]]:
     return table.take(list(range(0, table.num_rows, step))[:n]).to_pylist()
 
 
+def read_rows(root: Path, split: str, image_ids: list[str],
+              columns: tuple[str, ...] = ("image_id", "image", "captions")) -> dict[str, dict[str, Any]]:
+    """The rows of ``image_ids`` in a split (Parquet's row-group statistics skip the rest)."""
+    table = pq.read_table(split_files(root, split), columns=list(columns),
+                          filters=[("image_id", "in", [str(i) for i in image_ids])])
+    return {row["image_id"]: row for row in table.to_pylist()}
+
+
 def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile: int = 192,
                   caption_lines: int = 4) -> Path:
     """A PNG grid of the rows' images, each above its id and first captions."""

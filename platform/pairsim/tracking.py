@@ -44,6 +44,28 @@ def _artifact_location(uri: str) -> str | None:
     return None
 
 
+def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment else client.create_experiment(
+        name, artifact_location=_artifact_location(uri))
+
+
+def find_run(tracking_uri: str, run_name: str) -> str | None:
+    """The id of the training run of Ray Train run ``run_name``, in any experiment, or None."""
+    client = MlflowClient(tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(experiments, filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
+    return found[0].info.run_id if found else None
+
+
+def create_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+    """A new, finished run (for an evaluation that belongs to no training run)."""
+    client = MlflowClient(tracking_uri)
+    run = client.create_run(_experiment_id(client, experiment, tracking_uri), run_name=run_name, tags=tags)
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
 def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: dict[str, Any]) -> str:
     """Create the job's MLflow run, or reopen the one a previous attempt of ``run_name`` made.
 
@@ -53,9 +75,7 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
     """
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
-    experiment_id = (experiment.experiment_id if experiment else
-                     client.create_experiment(cfg.tracking.experiment, artifact_location=_artifact_location(uri)))
+    experiment_id = _experiment_id(client, cfg.tracking.experiment, uri)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:
         run = found[0]
@@ -105,6 +125,10 @@ class RunLogger:
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, value)
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, data, artifact_file)

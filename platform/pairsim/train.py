@@ -9,12 +9,14 @@ DeepSpeed checkpoint on every rank that Ray Train merges and keeps.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,10 @@ import torch.distributed as dist
 from ray.train import Checkpoint, CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import data, evaluate, models, shards, teachers, tracking
+from pairsim import data, evaluate, export, models, shards, teachers, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.losses import Objective, build_objective
 
-CHECKPOINT_TAG = "deepspeed"
-WEIGHTS_FILE = "open_clip_weights.pt"
-HEADS_FILE = "pairsim_heads.pt"
 
 
 class TrainingModule(torch.nn.Module):
@@ -101,18 +100,6 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
 
 
-def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """The whole model's weights on rank 0 (None elsewhere); every rank must call it (ZeRO-3 gathers)."""
-    import deepspeed
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
-        if rank != 0:
-            return None
-        return {k: v.detach().float().cpu().clone() for k, v in engine.module.state_dict().items()}
-
-
 def say(message: str) -> None:
     """One line on the job's console (Ray Train V2's print patch would echo ``print`` twice)."""
     print(f"[pairsim] {message}", file=sys.__stdout__, flush=True)
@@ -141,29 +128,34 @@ def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, teachers.
     return out
 
 
-def embed_split(engine, cfg: RunConfig, dtype: torch.dtype):
-    """Image and caption embeddings of the eval split, computed on every rank.
+def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> evaluate.SplitEmbeddings:
+    """The val split's image and caption embeddings (uni-modal ones too, when the model has
+    heads for them), computed on every rank.
 
     Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
     gathering in step; rank 0 uses the result.
     """
-    images, image_ids, texts, text_ids = [], [], [], []
+    columns: dict[str, list] = {}
     normalize = models.PixelNormalizer(cfg.model)
+
+    def keep(fields: dict[str, np.ndarray], embeddings: dict[str, torch.Tensor]) -> None:
+        for name, value in (fields | {k: v.float().cpu() for k, v in embeddings.items()}).items():
+            columns.setdefault(name, []).append(value)
+
     engine.eval()
     with torch.no_grad():
         for batch in ray.train.get_dataset_shard("val_images").iter_batches(
                 batch_size=cfg.eval.batch_size, batch_format="numpy"):
             if len(batch["image_id"]):
-                pixels = normalize(torch.from_numpy(batch["pixels"]).to(engine.device), dtype)
-                images.append(engine(image=pixels)["image"].float().cpu())
-                image_ids.append(batch["image_id"])
+                keep({"image_ids": batch["image_id"], "labels": batch["label"]},
+                     engine(image=normalize(torch.from_numpy(batch["pixels"]).to(engine.device), dtype)))
         for batch in ray.train.get_dataset_shard("val_texts").iter_batches(
                 batch_size=cfg.eval.batch_size, batch_format="numpy"):
-            tokens = torch.from_numpy(batch["tokens"]).to(engine.device)
-            texts.append(engine(text=tokens)["text"].float().cpu())
-            text_ids.append(batch["image_id"])
+            keep({"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]},
+                 engine(text=torch.from_numpy(batch["tokens"]).to(engine.device)))
     engine.train()
-    return torch.cat(images), np.concatenate(image_ids), torch.cat(texts), np.concatenate(text_ids)
+    return evaluate.SplitEmbeddings(**{name: torch.cat(parts) if isinstance(parts[0], torch.Tensor)
+                                       else np.concatenate(parts) for name, parts in columns.items()})
 
 
 class StepTimer:
@@ -209,7 +201,7 @@ def restore(engine) -> tuple[int, int]:
     if not checkpoint:
         return 0, 0
     with checkpoint.as_directory() as ckpt_dir:
-        _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
+        _, client_state = engine.load_checkpoint(ckpt_dir, tag=export.CHECKPOINT_TAG)
         dist.barrier()
     if engine.global_steps != client_state["global_step"]:
         raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, "
@@ -218,12 +210,16 @@ def restore(engine) -> tuple[int, int]:
 
 
 def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, logger, step: int) -> dict[str, float]:
-    """Val retrieval metrics and the skipped-image count, logged on rank 0 ({} on other ranks)."""
-    image_emb, image_ids, text_emb, text_ids = embed_split(engine, cfg, dtype)
+    """The val split's evaluation suite (:func:`pairsim.evaluate.evaluate_split`) and the
+    skipped-image count, logged on rank 0 ({} on other ranks)."""
+    embeddings = embed_split(engine, cfg, dtype)
     if logger is None:
         return {}
-    metrics = {f"val/{k}": v for k, v in
-               evaluate.image_text_retrieval(image_emb, image_ids, text_emb, text_ids, cfg.eval.ks).items()}
+    report = evaluate.evaluate_split(embeddings, models.fusion_module(engine.module.model, cfg.model), cfg.eval.ks)
+    metrics = {f"val/{k}": v for k, v in report.metrics.items()}
+    if selection_metric(cfg) not in metrics:
+        raise ValueError(f"eval.select_metric: the val split gives no {cfg.eval.select_metric!r} "
+                         f"(it gives {', '.join(report.metrics)})")
     skipped = ray.get(ledger.get.remote())
     metrics["data/skipped_images"] = len(skipped)
     if skipped:
@@ -232,6 +228,11 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, logger, step: i
             "all are listed in the run's data/skipped_images.json")
     logger.log_metrics(metrics, step)
     return metrics
+
+
+def selection_metric(cfg: RunConfig) -> str:
+    """The reported val metric that picks the best checkpoint."""
+    return f"val/{cfg.eval.select_metric}"
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
@@ -294,29 +295,56 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             logger.log_metrics(timer.metrics(), step)
             say(f"epoch {epoch + 1} " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
         with tempfile.TemporaryDirectory() as ckpt_dir:
-            engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
+            engine.save_checkpoint(ckpt_dir, tag=export.CHECKPOINT_TAG,
+                                   client_state={"epoch": epoch, "global_step": step})
+            if rank == 0:
+                card = models.model_card(cfg.model, module.model, zero_stage=cfg.train.zero_stage, epoch=epoch + 1,
+                                         step=step, val=metrics)
+                (Path(ckpt_dir) / export.CARD_FILE).write_text(json.dumps(card, indent=2))
             dist.barrier()
             ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
                              checkpoint=Checkpoint.from_directory(ckpt_dir))
 
-    state = full_state_dict(engine)
-    if logger:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = models.save_open_clip_weights(models.open_clip_state(state, "model.clip."), Path(tmp) / WEIGHTS_FILE)
-            logger.log_artifact(path, "model")
-            heads = {k: v for k, v in state.items() if k.startswith("model.") and not k.startswith("model.clip.")}
-            if heads:  # cross-modal / uni-modal heads, keyed as in RetrievalModel
-                torch.save(heads, Path(tmp) / HEADS_FILE)
-                logger.log_artifact(Path(tmp) / HEADS_FILE, "model")
-
 
 @dataclass
 class TrainResult:
+    """``metrics``: the last epoch's report; ``checkpoint_path``: the latest checkpoint (to
+    resume from); ``best_checkpoint_path``: the one ``eval.select_metric`` chose, exported to
+    the MLflow run and evaluated on test (``test_metrics``, empty without a test split)."""
+
     run_name: str
     mlflow_run_id: str
     tracking_uri: str
     metrics: dict[str, Any]
     checkpoint_path: str | None
+    best_checkpoint_path: str | None = None
+    test_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: str) -> tuple[str, dict[str, float]]:
+    """Export the best checkpoint (by ``eval.select_metric`` on val) into the MLflow run's
+    ``model/`` and evaluate it once on the test split, when the data has one."""
+    best = result.get_best_checkpoint(selection_metric(cfg), cfg.eval.select_mode)
+    logger = tracking.RunLogger(tracking_uri, run_id)
+    with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
+        card = export.checkpoint_card(checkpoint)
+        written = export.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
+        for path in written:
+            logger.log_artifact(path, export.MODEL_ARTIFACTS)
+        logger.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best.path,
+                         "pairsim.select_metric": cfg.eval.select_metric})
+        say(f"best checkpoint: epoch {card['epoch']}, {selection_metric(cfg)} = "
+            f"{card['val'][selection_metric(cfg)]:.2f} ({best.path}); exported to the run's {export.MODEL_ARTIFACTS}/")
+        split = cfg.data.test_split
+        if split is None or split not in shards.read_manifest(cfg.data.path)["splits"]:
+            say(f"no test split {split!r} in {cfg.data.path}: test evaluation skipped")
+            return best.path, {}
+        model, _ = models.load_exported(written[0])
+    embeddings = evaluate.embed_with_ray_data(model, cfg, split)
+    report = evaluate.evaluate_split(embeddings, models.fusion_module(model, cfg.model), cfg.eval.ks)
+    evaluate.log_report(logger, report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
+                        split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
+    return best.path, report.metrics
 
 
 def check_ready(cfg: RunConfig) -> None:
@@ -400,7 +428,8 @@ def fit(cfg: RunConfig) -> TrainResult:
                                      resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(Path(cfg.ray.storage_path).resolve()),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
+                                               checkpoint_score_order=cfg.eval.select_mode),
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures)),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"],
@@ -409,9 +438,10 @@ def fit(cfg: RunConfig) -> TrainResult:
     succeeded = False
     try:
         result = trainer.fit()
+        best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
         succeeded = True
     finally:
         tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
         ray.kill(ledger)
     return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
-                       result.checkpoint.path if result.checkpoint else None)
+                       result.checkpoint.path if result.checkpoint else None, best_path, test_metrics)
