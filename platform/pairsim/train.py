@@ -230,6 +230,9 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, logger, step: i
     return metrics
 
 
+CONSOLE_METRICS = ("val/i2t_R@1", "val/t2i_R@1", "val/rsum", "val/t2t_R@1", "val/i2i_R@1", "val/grid_text2fused_R@1")
+
+
 def selection_metric(cfg: RunConfig) -> str:
     """The reported val metric that picks the best checkpoint."""
     return f"val/{cfg.eval.select_metric}"
@@ -293,7 +296,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         metrics = validate(engine, cfg, dtype, ledger, logger, step)
         if logger:
             logger.log_metrics(timer.metrics(), step)
-            say(f"epoch {epoch + 1} " + "  ".join(f"{k}={v:.2f}" for k, v in metrics.items()))
+            shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
+            say(f"epoch {epoch + 1} " + "  ".join(f"{k.removeprefix('val/')}={metrics[k]:.2f}"
+                                                  for k in shown if k in metrics) + "  (every metric in MLflow)")
         with tempfile.TemporaryDirectory() as ckpt_dir:
             engine.save_checkpoint(ckpt_dir, tag=export.CHECKPOINT_TAG,
                                    client_state={"epoch": epoch, "global_step": step})
