@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import tempfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +197,16 @@ class SplitEmbeddings:
     image_unimodal: torch.Tensor | None = None
     text_unimodal: torch.Tensor | None = None
 
+    @classmethod
+    def from_batches(cls, batches: Iterable[dict[str, np.ndarray]]) -> SplitEmbeddings:
+        """Concatenate :func:`embed_batch` outputs; float columns (the embeddings) become tensors."""
+        columns: dict[str, list[np.ndarray]] = {}
+        for batch in batches:
+            for name, value in batch.items():
+                columns.setdefault(name, []).append(value)
+        return cls(**{name: torch.from_numpy(np.concatenate(parts)) if parts[0].dtype.kind == "f"
+                      else np.concatenate(parts) for name, parts in columns.items()})
+
     def id_labels(self) -> tuple[np.ndarray, np.ndarray]:
         """Image ids as integers: (per image, per caption)."""
         _, inverse = np.unique(np.concatenate([self.image_ids, self.text_image_ids]).astype(str), return_inverse=True)
@@ -359,13 +369,21 @@ class EmbedBatches:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
-            if "pixels" in batch:
-                fields = {"image_ids": batch["image_id"], "labels": batch["label"]}
-                out = self.model(image=self.normalize(torch.from_numpy(batch["pixels"]).to(self.device)))
-            else:
-                fields = {"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]}
-                out = self.model(text=torch.from_numpy(batch["tokens"]).to(self.device))
-        return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
+            return embed_batch(self.model, batch, self.normalize, self.device)
+
+
+def embed_batch(model, batch: dict[str, np.ndarray], normalize: models.PixelNormalizer, device,
+                dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
+    """One batch of ``data.eval_images`` (``pixels``) or ``data.eval_texts`` (``tokens``) through
+    ``model`` (a RetrievalModel or the engine wrapping one): the ids that go with the rows and
+    every embedding the model gives, named as :class:`SplitEmbeddings` fields."""
+    if "pixels" in batch:
+        fields = {"image_ids": batch["image_id"], "labels": batch["label"]}
+        out = model(image=normalize(torch.from_numpy(batch["pixels"]).to(device), dtype))
+    else:
+        fields = {"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]}
+        out = model(text=torch.from_numpy(batch["tokens"]).to(device))
+    return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
 
 
 def embed_with_ray_data(model: models.RetrievalModel, cfg: RunConfig, split: str) -> SplitEmbeddings:
@@ -377,19 +395,16 @@ def embed_with_ray_data(model: models.RetrievalModel, cfg: RunConfig, split: str
     embed = dict(fn_constructor_args=(model, cfg.model.model_dump(mode="json"), cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
                  num_gpus=1 if cfg.train.use_gpu else 0)
-    columns: dict[str, list[np.ndarray]] = {}
     try:
-        for ds in (data.eval_images(cfg, split, ledger_name), data.eval_texts(cfg, split)):
-            for batch in ds.map_batches(EmbedBatches, **embed).iter_batches(batch_size=None, batch_format="numpy"):
-                for name, value in batch.items():
-                    columns.setdefault(name, []).append(value)
+        batches = [batch for ds in (data.eval_images(cfg, split, ledger_name), data.eval_texts(cfg, split))
+                   for batch in ds.map_batches(EmbedBatches, **embed).iter_batches(batch_size=None,
+                                                                                   batch_format="numpy")]
         skipped = ray.get(ledger.get.remote())
     finally:
         ray.kill(ledger)
     if skipped:
         print(f"[pairsim] {split}: skipped {len(skipped)} unreadable images, e.g. {next(iter(skipped.items()))}")
-    return SplitEmbeddings(**{name: (np.concatenate(parts) if parts[0].dtype.kind in "iuOSU"
-                                     else torch.from_numpy(np.concatenate(parts))) for name, parts in columns.items()})
+    return SplitEmbeddings.from_batches(batches)
 
 
 def log_report(logger, report: EvalReport, emb: SplitEmbeddings, read_rows, split: str, step: int,

@@ -21,7 +21,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 import ray.train
 import torch
@@ -135,27 +134,16 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> evaluate.SplitEmb
     Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
     gathering in step; rank 0 uses the result.
     """
-    columns: dict[str, list] = {}
     normalize = models.PixelNormalizer(cfg.model)
-
-    def keep(fields: dict[str, np.ndarray], embeddings: dict[str, torch.Tensor]) -> None:
-        for name, value in (fields | {k: v.float().cpu() for k, v in embeddings.items()}).items():
-            columns.setdefault(name, []).append(value)
-
     engine.eval()
     with torch.no_grad():
-        for batch in ray.train.get_dataset_shard("val_images").iter_batches(
-                batch_size=cfg.eval.batch_size, batch_format="numpy"):
-            if len(batch["image_id"]):
-                keep({"image_ids": batch["image_id"], "labels": batch["label"]},
-                     engine(image=normalize(torch.from_numpy(batch["pixels"]).to(engine.device), dtype)))
-        for batch in ray.train.get_dataset_shard("val_texts").iter_batches(
-                batch_size=cfg.eval.batch_size, batch_format="numpy"):
-            keep({"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]},
-                 engine(text=torch.from_numpy(batch["tokens"]).to(engine.device)))
+        batches = [evaluate.embed_batch(engine, batch, normalize, engine.device, dtype)
+                   for name in ("val_images", "val_texts")
+                   for batch in ray.train.get_dataset_shard(name).iter_batches(
+                       batch_size=cfg.eval.batch_size, batch_format="numpy")
+                   if len(batch["image_id"])]  # a batch whose images were all unreadable is empty
     engine.train()
-    return evaluate.SplitEmbeddings(**{name: torch.cat(parts) if isinstance(parts[0], torch.Tensor)
-                                       else np.concatenate(parts) for name, parts in columns.items()})
+    return evaluate.SplitEmbeddings.from_batches(batches)
 
 
 class StepTimer:
