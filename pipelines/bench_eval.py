@@ -6,9 +6,9 @@
 N queries against 5N keys (text→image has 5 captions per image; here queries are images and keys
 captions, the i2t direction: Q = N, K = 5N, 5 positives each), d-dimensional unit vectors where
 each query is its captions' centre plus noise, so positives rank near the top as in a trained
-model. Dense is :func:`pairsim.evaluate.retrieval_metrics` on the full Q×K matrix and its
+model. Dense is :func:`pairsim.eval.metrics.retrieval_metrics` on the full Q×K matrix and its
 positives (the baseline, measured in the same run while it fits in memory); blocked is
-:func:`pairsim.evaluate.blocked_retrieval_metrics` on the embeddings and labels. Each
+:func:`pairsim.eval.metrics.blocked_retrieval_metrics` on the embeddings and labels. Each
 measurement runs in a fresh process; peak memory is the process's peak RSS minus its RSS with
 the inputs built. Both must give the same metrics (checked where both run).
 """
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pairsim.evaluate import blocked_retrieval_metrics, retrieval_metrics
+from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 
 CAPTIONS = 5
 

@@ -1,5 +1,5 @@
 """Ingest throughput: pairsim's Ray Data pipeline against a torch ``DataLoader`` running the same
-decode / augment / tokenize code (``pairsim.data.TrainPreprocess``) with the same number of CPU
+decode / augment / tokenize code (``pairsim.data.ingest.TrainPreprocess``) with the same number of CPU
 workers over the same shards, in one run; then the share of step time a real training run
 (the demo's tiny model, 2 workers) spends waiting for data.
 
@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from pairsim import data, shards, synth
+from pairsim.data import ingest, shards, synth
 from pairsim.config import BuildConfig, RunConfig
 
 
@@ -54,7 +54,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, cfg: RunConfig, files: list[str]):
         self.cfg, self.files = cfg, files
-        self.preprocess = data.TrainPreprocess(cfg, "unused-ledger")
+        self.preprocess = ingest.TrainPreprocess(cfg, "unused-ledger")
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -93,9 +93,9 @@ def ray_data_rate(cfg: RunConfig, dataset) -> float:
 
 
 def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, float, float]:
-    ledger = data.skip_ledger("bench-ingest")
-    dataset = data.train_dataset(cfg, "bench-ingest")
-    dataset.context.execution_options = data.train_execution_options(cfg)
+    ledger = ingest.skip_ledger("bench-ingest")
+    dataset = ingest.train_dataset(cfg, "bench-ingest")
+    dataset.context.execution_options = ingest.train_execution_options(cfg)
     ray_data_rate(cfg, dataset)  # warm-up: worker processes, imports, page cache
     ray_rates = [ray_data_rate(cfg, dataset) for _ in range(repeats)]
     loader_rates = [dataloader_rate(cfg, cpus) for _ in range(repeats)]
@@ -109,13 +109,13 @@ def data_wait(dataset: Path, out: Path, epochs: int) -> tuple[dict[str, list[flo
     """(the perf/* data-wait metrics per epoch, median samples/s) of a real run of the demo config."""
     from mlflow.tracking import MlflowClient
 
-    from pairsim import train
+    from pairsim.train import driver
     from pairsim.cli import DEMO_CONFIG
     from pairsim.config import load_config
 
     cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", f"train.epochs={epochs}",
                                     f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
-    result = train.fit(cfg)
+    result = driver.fit(cfg)
     client = MlflowClient(result.tracking_uri)
     waits = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key), key=lambda m: m.step)]
              for key in ("perf/data_wait_share", "perf/data_wait_share_running", "perf/first_batch_wait_s")}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pairsim import shards, synth
+from pairsim.data import shards, synth
 
 WARMUP_STEPS = 10
 
@@ -54,7 +54,7 @@ def run_open_clip_train(table: Path, out: Path, batch_size: int, threads: int, n
             "--warmup", "10", "--wd", "0.1", "--log-every-n-steps", "1", "--save-frequency", "0",
             "--zeroshot-frequency", "0", "--val-frequency", "0", "--logs", str(out / "open_clip_logs"),
             "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(num_samples)]
-    code = ("import sys, pairsim.models; from open_clip_train.main import main; main(sys.argv[1:])")
+    code = ("import sys, pairsim.models.clip; from open_clip_train.main import main; main(sys.argv[1:])")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
     start = time.time()
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
@@ -75,7 +75,7 @@ def run_open_clip_train(table: Path, out: Path, batch_size: int, threads: int, n
 def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
     from mlflow.tracking import MlflowClient
 
-    from pairsim import train
+    from pairsim.train import driver
     from pairsim.config import load_config
 
     cfg = load_config(None, [
@@ -85,7 +85,7 @@ def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
         "optim.lr=1e-3", "optim.warmup_steps=10", "optim.weight_decay=0.1",
         f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
     start = time.time()
-    result = train.fit(cfg)
+    result = driver.fit(cfg)
     wall = time.time() - start
     client = MlflowClient(result.tracking_uri)
     rates = client.get_metric_history(result.mlflow_run_id, "train/samples_per_s")

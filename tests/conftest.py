@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pairsim import synth
+from pairsim.data import synth
 
 
 def unused_ports(n: int) -> list[int]:

@@ -1,7 +1,7 @@
 import pytest
 
 from pairsim.config import load_config
-from pairsim.train import deepspeed_config
+from pairsim.train.engine import deepspeed_config
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -12,7 +12,7 @@ def test_derived_config_is_what_deepspeed_parses(stage, precision):
     cfg = load_config(None, [f"train.zero_stage={stage}", f"train.precision={precision}",
                              "train.micro_batch_size=48", "optim.grad_clip=0.5", "optim.lr=3e-4",
                              "optim.warmup_steps=7", "optim.min_lr_ratio=0.1"])
-    parsed = DeepSpeedConfig(deepspeed_config(cfg, total_steps=100))
+    parsed = DeepSpeedConfig(deepspeed_config(cfg.train, cfg.optim, total_steps=100))
     assert parsed.zero_optimization_stage == stage
     assert parsed.bfloat16_config.enabled == (precision == "bf16")
     assert parsed.float16_config.enabled == (precision == "fp16")

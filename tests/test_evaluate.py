@@ -6,9 +6,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pairsim.evaluate import (SplitEmbeddings, blocked_retrieval_metrics, evaluate_split, grid_heatmap, grid_items,
-                              modality_grid, retrieval_gallery, retrieval_metrics, unimodal_metrics)
-from pairsim.models import ScoreSumFusion
+from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
+from pairsim.eval.report import grid_heatmap, retrieval_gallery
+from pairsim.eval.suite import SplitEmbeddings, evaluate_split, grid_items, modality_grid, unimodal_metrics
+from pairsim.models.fusion import ScoreSumFusion
 
 
 def reference_metrics(sim, positives, ks):

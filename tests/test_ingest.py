@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pairsim import data, shards
+from pairsim.data import ingest, shards
 from pairsim.config import RunConfig
 
 
@@ -18,7 +18,7 @@ def _equal_steps_worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mine = [torch.full((2,), i) for i in range(3 if rank == 0 else 5)]  # deliberately uneven
     seen = []
-    for batch in data.equal_steps(mine):
+    for batch in ingest.equal_steps(mine):
         dist.all_reduce(batch.clone())  # a collective per step, as training does: would hang if counts differed
         seen.append(int(batch[0]))
     out.put((rank, seen))
@@ -68,9 +68,9 @@ def _record_epochs(config):
     for epoch in range(2):
         batches = shard.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
                                            local_shuffle_buffer_size=cfg.data.shuffle_buffer,
-                                           local_shuffle_seed=data.local_shuffle_seed(cfg.data.seed, epoch, rank))
+                                           local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
         seen = []
-        for batch in data.equal_steps(batches):
+        for batch in ingest.equal_steps(batches):
             assert batch["pixels"].shape == (cfg.train.micro_batch_size, 3, 64, 64)
             assert batch["pixels"].dtype == torch.uint8  # normalised on the worker's device
             assert batch["tokens"].shape == (cfg.train.micro_batch_size, 32)
@@ -90,18 +90,18 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
     root, bad = dataset_with_bad_images
     cfg = RunConfig.model_validate({"data": {"path": str(root), "shuffle_buffer": 40},
                                     "train": {"micro_batch_size": 16}})
-    ledger = data.skip_ledger("test-ledger")
+    ledger = ingest.skip_ledger("test-ledger")
     trainer = TorchTrainer(
         _record_epochs, train_loop_config={"cfg": cfg.model_dump(mode="json"), "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray")),
-        datasets={"train": data.train_dataset(cfg, "test-ledger")},
+        datasets={"train": ingest.train_dataset(cfg, "test-ledger")},
         dataset_config=DataConfig(datasets_to_split=["train"],
-                                  execution_options={"train": data.train_execution_options(cfg)}))
+                                  execution_options={"train": ingest.train_execution_options(cfg)}))
     trainer.fit()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     good = pq.read_table(shards.split_files(root, "train"), columns=["image_id"]).column("image_id").to_pylist()
-    good_groups = sorted(data.group_ids([i for i in good if i not in bad]).tolist())
+    good_groups = sorted(ingest.group_ids([i for i in good if i not in bad]).tolist())
     for epoch in range(2):
         # 256 decodable images split equally: 128 per rank, 8 full batches of 16 on each
         assert [len(r[epoch]) for r in ranks] == [8, 8]
@@ -116,8 +116,8 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
 
 def _epoch_orders(cfg, epochs=2):
     """(group id, caption index, pixel checksum) of every pair, in stream order, per epoch."""
-    ds = data.train_dataset(cfg, "order-ledger")
-    ds.context.execution_options = data.train_execution_options(cfg)
+    ds = ingest.train_dataset(cfg, "order-ledger")
+    ds.context.execution_options = ingest.train_execution_options(cfg)
     orders = []
     for _ in range(epochs):
         order = []
@@ -132,7 +132,7 @@ def _epoch_orders(cfg, epochs=2):
 def test_a_fixed_seed_gives_the_same_order_captions_and_augmentations(ray_instance, tiny_dataset):
     import ray
 
-    ledger = data.skip_ledger("order-ledger")
+    ledger = ingest.skip_ledger("order-ledger")
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "seed": 7}})
     first, again = _epoch_orders(cfg), _epoch_orders(cfg)
     other = _epoch_orders(cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 8})}), epochs=1)
@@ -158,18 +158,18 @@ def train_rows(root, n, seed=0):
 def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": 3}})
     batch = train_rows(tiny_dataset, 8)
-    out = data.TrainPreprocess(cfg, "unused-ledger")(batch)
+    out = ingest.TrainPreprocess(cfg, "unused-ledger")(batch)
     assert out["pixels"].shape[0] == out["tokens"].shape[0] == 24
     groups, picks = out["group_ids"].reshape(8, 3), out["caption_index"].reshape(8, 3)
     assert (groups == groups[:, :1]).all() and len(set(groups[:, 0])) == 8
     assert all(len(set(row)) == 3 for row in picks)  # 5 captions each: 3 distinct draws
-    np.testing.assert_array_equal(groups[:, 0], data.group_ids(batch["image_id"]))
+    np.testing.assert_array_equal(groups[:, 0], ingest.group_ids(batch["image_id"]))
 
 
 def test_all_pairs_gives_every_caption_of_every_image(tiny_dataset):
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": "all"}})
     batch = train_rows(tiny_dataset, 6)
-    out = data.TrainPreprocess(cfg, "unused-ledger")(batch)
+    out = ingest.TrainPreprocess(cfg, "unused-ledger")(batch)
     assert out["tokens"].shape[0] == sum(len(c) for c in batch["captions"]) == 30
     assert out["caption_index"].tolist() == [k for caps in batch["captions"] for k in range(len(caps))]
 
@@ -180,7 +180,7 @@ def test_draws_decide_captions_and_augmentation(tiny_dataset):
     import pickle
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)}})
-    preprocess = data.TrainPreprocess(cfg, "unused-ledger")
+    preprocess = ingest.TrainPreprocess(cfg, "unused-ledger")
     a, b = (pickle.loads(pickle.dumps(preprocess))(train_rows(tiny_dataset, 32)) for _ in range(2))
     c = preprocess(train_rows(tiny_dataset, 32, seed=1))
     for key in ("tokens", "pixels", "caption_index"):
@@ -191,13 +191,13 @@ def test_draws_decide_captions_and_augmentation(tiny_dataset):
 
 
 def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_it_starts(ray_instance, tiny_dataset):
-    from pairsim import train
+    from pairsim.train import driver
     from pairsim.config import ConfigError
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)},
                                     "train": {"num_workers": 2, "cpus_per_worker": 1.5}})
-    train.check_cpu_budget(cfg)  # 4 CPUs: 3 for training leave 1 for Data
+    driver.check_cpu_budget(cfg)  # 4 CPUs: 3 for training leave 1 for Data
     with pytest.raises(ConfigError, match=r"train.num_workers × train.cpus_per_worker = 4 .* ray.data_cpus"):
-        train.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}))
+        driver.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}))
     with pytest.raises(ConfigError, match="data.max_cpus"):
-        train.check_ready(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))
+        driver.check_ready(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))

@@ -7,7 +7,9 @@ import ray
 import torch
 from mlflow.tracking import MlflowClient
 
-from pairsim import data, teachers, train
+from pairsim.data import ingest
+from pairsim.teachers import encoders, store
+from pairsim.train import driver, worker
 from pairsim.cli import DEMO_CONFIG, objective_config
 from pairsim.config import load_config
 from pairsim.losses import build_objective
@@ -26,7 +28,7 @@ def run_config(dataset, work, objective, *extra):
 @pytest.mark.parametrize("objective", ["unified", "gcl_infonce", "gcl_unified", "cusa_unified"])
 def test_each_objective_lowers_its_loss(objective, ray_instance, tiny_dataset, tmp_path):
     # all 5 captions of every image: 40 steps in one epoch, and batches hold pairs of one image
-    result = train.fit(run_config(tiny_dataset, tmp_path, objective, "data.pairs_per_image=5", "train.epochs=1"))
+    result = driver.fit(run_config(tiny_dataset, tmp_path, objective, "data.pairs_per_image=5", "train.epochs=1"))
     client = MlflowClient(result.tracking_uri)
     history = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key),
                                              key=lambda m: m.step)]
@@ -44,19 +46,19 @@ def test_each_objective_lowers_its_loss(objective, ray_instance, tiny_dataset, t
 
 def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_dataset, tmp_path):
     cfg = run_config(tiny_dataset, tmp_path, "cusa_unified", "data.augment=false")
-    store_dir = teachers.extract(cfg, tmp_path / "teacher", ["train"], batch_size=40, progress=False)
+    store_dir = store.extract(cfg, tmp_path / "teacher", ["train"], batch_size=40, progress=False)
     disk_cfg = cfg.model_copy(update={"loss": cfg.loss.model_copy(update={
         "cusa": cfg.loss.cusa.model_copy(update={"teacher_features": store_dir})})})
-    teachers.check_teachers(disk_cfg)
+    encoders.check_teachers(disk_cfg)
 
-    ledger = data.skip_ledger("teacher-test-ledger")
-    live = teachers.build_teachers(cfg)
-    live_batch = data.train_dataset(cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
-    disk_batch = data.train_dataset(disk_cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
+    ledger = ingest.skip_ledger("teacher-test-ledger")
+    live = encoders.build_teachers(cfg)
+    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
+    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
     ray.kill(ledger)
     # the live pipeline ships teacher inputs, the disk pipeline extracted embeddings; caption draws
     # differ between the two, so compare on the disk batch's own (image, caption) picks
-    live_emb = train.teacher_embeddings({k: torch.as_tensor(np.array(v)) for k, v in live_batch.items() if v.dtype != object}, live, "cpu")
+    live_emb = worker.teacher_embeddings({k: torch.as_tensor(np.array(v)) for k, v in live_batch.items() if v.dtype != object}, live, "cpu")
     assert set(live_emb) == {"teacher_image", "teacher_text"} and "teacher_image" not in live_batch
     by_pick = {(g, k): i for i, (g, k) in enumerate(zip(live_batch["group_ids"], live_batch["caption_index"]))}
     common = [(i, by_pick[g, k]) for i, (g, k) in enumerate(zip(disk_batch["group_ids"], disk_batch["caption_index"]))

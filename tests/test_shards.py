@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pairsim import shards
+from pairsim.data import shards
 from pairsim.config import BuildConfig, ConfigError
 
 NON_ASCII = "un café ☕ à Zürich, 東京の夜"

@@ -4,7 +4,7 @@ import json
 import pyarrow.parquet as pq
 from PIL import Image
 
-from pairsim import shards, synth
+from pairsim.data import shards, synth
 
 
 def test_same_seed_gives_the_same_bytes(tmp_path):

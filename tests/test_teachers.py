@@ -7,7 +7,8 @@ import pickle
 import pytest
 import torch
 
-from pairsim import teachers
+from pairsim.teachers import encoders, store
+from pairsim.train import driver
 from pairsim.config import ConfigError, load_config
 
 
@@ -20,35 +21,35 @@ def test_missing_teacher_files_are_named_before_the_cluster_starts(tiny_dataset,
     cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny",
                                                    "path": str(tmp_path / "nope.pt")})
     with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher\.path: no weights file"):
-        teachers.check_teachers(cfg)
+        driver.check_ready(cfg)
     cfg = cusa_config(tiny_dataset, image_teacher={"kind": "sentence_transformers"})
     with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher: a sentence_transformers teacher encodes text"):
-        teachers.check_teachers(cfg)
+        driver.check_ready(cfg)
     cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
     with pytest.raises(ConfigError, match=r"loss\.cusa\.teacher_features: no teacher_manifest\.json"):
-        teachers.check_teachers(cfg)
+        driver.check_ready(cfg)
 
 
 def test_features_of_other_data_or_teachers_are_refused(tiny_dataset, tmp_path):
     cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
     manifest = {"data_content_hash": "0" * 64, "splits": ["train"],
-                "teachers": {m: t.identity() for m, t in teachers.build_teachers(cusa_config(tiny_dataset)).items()}}
-    (tmp_path / teachers.STORE_MANIFEST).write_text(json.dumps(manifest))
+                "teachers": {m: t.identity() for m, t in encoders.build_teachers(cusa_config(tiny_dataset)).items()}}
+    (tmp_path / store.STORE_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="extracted from other data"):
-        teachers.check_teachers(cfg)
-    from pairsim import shards
+        driver.check_ready(cfg)
+    from pairsim.data import shards
 
     manifest["data_content_hash"] = shards.read_manifest(tiny_dataset)["content_hash"]
     manifest["teachers"]["text"]["max_length"] = 99
-    (tmp_path / teachers.STORE_MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / store.STORE_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"loss\.cusa\.text_teacher: .* differs from the teacher"):
-        teachers.check_teachers(cusa_config(tiny_dataset, teacher_features=str(tmp_path),
-                                            text_teacher={"kind": "sentence_transformers"}))
+        driver.check_ready(cusa_config(tiny_dataset, teacher_features=str(tmp_path),
+                                       text_teacher={"kind": "sentence_transformers"}))
 
 
 def test_minilm_teacher_embeddings_ignore_padding_and_pickle_light():
     captions = ["a small red circle", "a large blue square to the left of a green triangle"]
-    short, long = teachers.SentenceTransformerTeacher(max_length=24), teachers.SentenceTransformerTeacher(max_length=64)
+    short, long = encoders.SentenceTransformerTeacher(max_length=24), encoders.SentenceTransformerTeacher(max_length=64)
     prepared = short.prepare(captions)
     assert {v.shape for v in prepared.values()} == {(2, 24)}
     a, b = short.embed(prepared), long.embed(long.prepare(captions))
@@ -59,12 +60,12 @@ def test_minilm_teacher_embeddings_ignore_padding_and_pickle_light():
 
 
 def test_initial_student_teacher_is_the_students_initialisation(tiny_dataset):
-    from pairsim import models
+    from pairsim.models import clip, retrieval
 
     cfg = cusa_config(tiny_dataset)
-    teacher = teachers.build_teachers(cfg)["image"]
+    teacher = encoders.build_teachers(cfg)["image"]
     torch.manual_seed(cfg.train.seed)
-    student = models.create_retrieval_model(cfg.model, unimodal_heads=True)
+    student = retrieval.create_retrieval_model(cfg.model, unimodal_heads=True)
     for (name, got), want in zip(teacher.model.state_dict().items(), student.clip.state_dict().values()):
         torch.testing.assert_close(got, want, msg=name)
 
@@ -73,13 +74,13 @@ def test_open_clip_teacher_from_a_local_file_embeds_as_open_clip_does(tiny_datas
     import open_clip
     from PIL import Image
 
-    from pairsim import models
+    from pairsim.models import clip, retrieval
 
     torch.manual_seed(1)
-    path = models.save_open_clip_weights(models.create_model(load_config().model).state_dict(), tmp_path / "t.pt")
+    path = clip.save_open_clip_weights(clip.create_model(load_config().model).state_dict(), tmp_path / "t.pt")
     cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny", "path": str(path)})
-    teachers.check_teachers(cfg)
-    teacher = teachers.build_teachers(cfg)["image"]
+    encoders.check_teachers(cfg)
+    teacher = encoders.build_teachers(cfg)["image"]
     images = [Image.new("RGB", (80, 60), c) for c in ((200, 30, 30), (20, 200, 90))]
     reference, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(path))
     with torch.no_grad():
@@ -91,13 +92,13 @@ def test_extraction_skips_unreadable_images_and_says_why(tiny_dataset):
     import numpy as np
     import pyarrow.parquet as pq
 
-    from pairsim import shards
+    from pairsim.data import shards
 
     rows = pq.read_table(shards.split_files(tiny_dataset, "train")[0]).slice(0, 3).to_pydict()
     batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()}
     batch["image"][1] = b"not an image"
     batch["path"] = np.asarray(["train/part-00000.parquet"] * 3, dtype=object)
-    out = teachers._EmbedShardRows(teachers.build_teachers(cusa_config(tiny_dataset)))(batch)
+    out = store._EmbedShardRows(encoders.build_teachers(cusa_config(tiny_dataset)))(batch)
     assert [bool(e) for e in out["error"]] == [False, True, False] and "UnidentifiedImageError" in out["error"][1]
     assert out["image"][0].shape == (128,) and out["image"][1].size == 0
     assert out["captions"][2].shape == (len(rows["captions"][2]), 384)

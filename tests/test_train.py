@@ -13,7 +13,8 @@ from mlflow.tracking import MlflowClient
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import export, models, train
+from pairsim.models import clip, retrieval
+from pairsim.train import driver, engine
 from pairsim.cli import DEMO_CONFIG, main, objective_config
 from pairsim.config import RunConfig, load_config
 from pairsim.losses import build_objective
@@ -33,8 +34,8 @@ def overrides(dataset, work, *extra):
 def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
     """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed for a 4th."""
     work = tmp_path_factory.mktemp("zero2")
-    first = train.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3")))
-    resumed = train.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4")))
+    first = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3")))
+    resumed = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4")))
     return first, resumed, MlflowClient(first.tracking_uri)
 
 
@@ -125,7 +126,7 @@ def zero3_run(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
         tiny_dataset, tmp_path_factory.mktemp("zero3"), "train.epochs=1", "train.zero_stage=3",
         "train.precision=bf16", "loss.base=infonce", "model.crossmodal_heads=true",
         f"tracking.tracking_uri={mlflow_server}"))
-    return cfg, train.fit(cfg)
+    return cfg, driver.fit(cfg)
 
 
 def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(zero3_run, mlflow_server, tmp_path):
@@ -160,12 +161,12 @@ def engine_embeddings(config):
 
     cfg = RunConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
-    card = export.checkpoint_card(config["checkpoint"])
-    model = models.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
-    module = train.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=train.parameter_groups(module, 0.1),
-                                      config=train.deepspeed_config(cfg, 10))
-    engine.load_checkpoint(config["checkpoint"], tag=export.CHECKPOINT_TAG)
+    card = engine.checkpoint_card(config["checkpoint"])
+    model = retrieval.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    module = engine.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=engine.parameter_groups(module, 0.1),
+                                      config=engine.deepspeed_config(cfg, 10))
+    engine.load_checkpoint(config["checkpoint"], tag=engine.CHECKPOINT_TAG)
     engine.eval()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
     with torch.no_grad():
@@ -177,8 +178,8 @@ def engine_embeddings(config):
 
 def fixed_inputs(cfg):
     g = torch.Generator().manual_seed(0)
-    pixels = models.PixelNormalizer(cfg.model)(torch.randint(0, 256, (6, 3, 64, 64), generator=g))
-    tokens = models.tokenizer(cfg.model.arch)(["a red circle", "two blue squares", "a green cross left of a star",
+    pixels = clip.PixelNormalizer(cfg.model)(torch.randint(0, 256, (6, 3, 64, 64), generator=g))
+    tokens = clip.tokenizer(cfg.model.arch)(["a red circle", "two blue squares", "a green cross left of a star",
                                                "a tiny violet triangle", "three shapes", "an orange disc"])
     return pixels, tokens
 
@@ -186,8 +187,8 @@ def fixed_inputs(cfg):
 def assert_export_gives_the_checkpoints_embeddings(cfg, checkpoint, tmp_path, atol, dtype=torch.float32):
     """The exported weights, cast to the engine's ``dtype``, are the engine's, and the exported
     model embeds as the engine does (up to ``atol``: the engine computes in ``dtype``)."""
-    written = export.export_checkpoint(checkpoint, tmp_path / "model.pt")
-    model, card = models.load_exported(written[0])
+    written = engine.export_checkpoint(checkpoint, tmp_path / "model.pt")
+    model, card = retrieval.load_exported(written[0])
     pixels, tokens = fixed_inputs(cfg)
     reference = TorchTrainer(
         engine_embeddings, train_loop_config={"cfg": cfg.model_dump(mode="json"), "checkpoint": str(checkpoint),
@@ -232,7 +233,7 @@ def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_datas
     checkpoint on val gives the val metrics the engine computed in training, and on test the
     run's own test metrics; both are logged into the run the checkpoint belongs to."""
     _, resumed, client = zero2_runs
-    card = export.checkpoint_card(resumed.best_checkpoint_path)
+    card = engine.checkpoint_card(resumed.best_checkpoint_path)
     args = ["evaluate", "--checkpoint", resumed.best_checkpoint_path, "--data", str(tiny_dataset),
             "--tracking-uri", resumed.tracking_uri, "--set", "eval.batch_size=64"]
     assert main(args + ["--split", "val"]) == 0

@@ -8,9 +8,11 @@ import codecs
 import sys
 from pathlib import Path
 
+from pairsim import log
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
-from pairsim.shards import BuildError
+from pairsim.data.shards import BuildError
 
+logger = log.get_logger("cli")
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 OBJECTIVES = Path(__file__).parent / "configs" / "objectives"
 
@@ -31,92 +33,98 @@ def _print_run(run_id: str, tracking_uri: str) -> None:
 
 
 def _train(cfg: RunConfig) -> None:
-    from pairsim import evaluate, train  # heavy imports only once the config is known to be good
+    from pairsim.eval.report import format_report  # heavy imports only once the config is known to be good
+    from pairsim.train.driver import fit
 
-    result = train.fit(cfg)
+    result = fit(cfg)
     val = {k.removeprefix("val/"): v for k, v in result.metrics.items() if k.startswith("val/")}
     print(f"\nval retrieval after {result.metrics.get('epoch')} epochs (run {result.run_name}):")
-    print(evaluate.format_report(val, cfg.eval.ks))
+    print(format_report(val, cfg.eval.ks))
     if result.test_metrics:
         print(f"\n{cfg.data.test_split} retrieval of the best checkpoint (by val {cfg.eval.select_metric}):")
-        print(evaluate.format_report(result.test_metrics, cfg.eval.ks))
+        print(format_report(result.test_metrics, cfg.eval.ks))
     _print_run(result.mlflow_run_id, result.tracking_uri)
     print(f"best checkpoint: {result.best_checkpoint_path}\nlatest checkpoint: {result.checkpoint_path}")
 
 
 def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> list[Path]:
     """``--checkpoint`` consolidated, or ``--run-id``'s exported model, written to ``out``."""
-    from pairsim import export
+    from pairsim import tracking
+    from pairsim.train import engine
 
     if args.checkpoint:
-        return export.export_checkpoint(args.checkpoint, out)
-    return export.download_run_model(args.run_id, tracking_uri, out)
+        return engine.export_checkpoint(args.checkpoint, out)
+    return tracking.download_run_model(args.run_id, tracking_uri, out)
 
 
 def _evaluate(args: argparse.Namespace) -> None:
     import functools
     import tempfile
 
-    from pairsim import evaluate, models, shards, tracking, train
+    from pairsim import tracking
+    from pairsim.data import shards
+    from pairsim.eval import inference, report, suite
+    from pairsim.models import retrieval
+    from pairsim.train.driver import init_ray
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
     if args.split not in shards.read_manifest(args.data)["splits"]:
         raise ConfigError(f"--split: {args.data} has no split {args.split!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        model, card = models.load_exported(_model_source(args, tracking_uri, Path(tmp) / "model.pt")[0])
+        model, card = retrieval.load_exported(_model_source(args, tracking_uri, Path(tmp) / "model.pt")[0])
     overrides = [f"data.path={args.data}", f"eval.batch_size={args.batch_size}",
                  f"eval.concurrency={args.concurrency}"] + args.overrides
     cfg = load_config(overrides=overrides).model_copy(update={"model": ModelConfig.model_validate(card["model"])})
-    train.init_ray(cfg)
-    embeddings = evaluate.embed_with_ray_data(model, cfg, args.split)
-    report = evaluate.evaluate_split(embeddings, models.fusion_module(model, cfg.model), cfg.eval.ks)
+    init_ray(cfg)
+    embeddings = inference.embed_with_ray_data(model, cfg, args.split)
+    result = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
     print(f"{args.split} of {args.data}, model from {args.checkpoint or 'run ' + args.run_id}:")
-    print(evaluate.format_report(report.metrics, cfg.eval.ks))
+    print(report.format_report(result.metrics, cfg.eval.ks))
     run_id = args.run_id or tracking.find_run(tracking_uri, Path(args.checkpoint).resolve().parent.name)
     if run_id is None:
         run_id = tracking.create_run(tracking_uri, "pairsim-eval", f"eval-{Path(args.checkpoint).name}",
                                      {"pairsim.checkpoint": str(Path(args.checkpoint).resolve())})
-    logger = tracking.RunLogger(tracking_uri, run_id)
-    evaluate.log_report(logger, report, embeddings, functools.partial(shards.read_rows, args.data, args.split),
+    run = tracking.RunLogger(tracking_uri, run_id)
+    report.log_report(run, result, embeddings, functools.partial(shards.read_rows, args.data, args.split),
                         args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
     _print_run(run_id, tracking_uri)
 
 
 def _export(args: argparse.Namespace) -> None:
-    from pairsim import export, tracking
+    from pairsim import tracking
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
     written = _model_source(args, tracking_uri, args.out)
     print("wrote " + ", ".join(str(p) for p in written))
     if args.register:
-        version = export.register_model(args.out, args.register, tracking_uri, args.run_id)
+        version = tracking.register_model(args.out, args.register, tracking_uri, args.run_id)
         print(f"registered as {args.register} version {version} in {tracking_uri}")
 
 
 def _demo(objective: str | None, overrides: list[str]) -> None:
     cfg = load_config([DEMO_CONFIG] + ([objective_config(objective)] if objective else []), overrides)
-    from pairsim import shards, synth
+    from pairsim.data import shards, synth
 
     try:
         shards.read_manifest(cfg.data.path)
     except FileNotFoundError:
-        print(f"[pairsim] generating the shapes dataset in {cfg.data.path}")
+        logger.info("generating the shapes dataset in %s", cfg.data.path)
         synth.generate(cfg.data.path)
     _train(cfg)
 
 
 def _extract_teacher(cfg: RunConfig, args: argparse.Namespace) -> None:
-    from pairsim import teachers, train
+    from pairsim.teachers import encoders, store
+    from pairsim.train.driver import init_ray
 
-    teachers.check_teachers(cfg.model_copy(update={"loss": cfg.loss.model_copy(update={
-        "cusa": cfg.loss.cusa and cfg.loss.cusa.model_copy(update={"teacher_features": None})})}))
-    train.init_ray(cfg)
-    out = teachers.extract(cfg, args.out, args.splits or [cfg.data.train_split], args.batch_size, args.concurrency)
+    encoders.check_teachers(cfg)
+    init_ray(cfg)
+    out = store.extract(cfg, args.out, args.splits or [cfg.data.train_split], args.batch_size, args.concurrency)
     print(f"teacher features in {out}; train from them with --set loss.cusa.teacher_features={out}")
 
 
 def _shards(args: argparse.Namespace) -> None:
-    from pairsim import shards
+    from pairsim.data import shards
 
     if args.shards_command == "inspect":
         print(shards.inspect(args.dir, samples=args.samples, sheet=args.sheet))
@@ -175,6 +183,8 @@ def _add_model_source(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
+    parser.add_argument("--log-level", type=str.upper, choices=log.LEVELS,
+                        help=f"pairsim's log level (default: ${log.ENV_VAR}, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     set_help = "dotted override, e.g. --set loss.margin=0.3 (repeatable)"
 
@@ -229,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        log.setup(args.log_level)
         if args.command == "demo":
             _demo(args.objective, args.overrides)
         elif args.command == "train":
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             _export(args)
         elif args.command == "data":
-            from pairsim import synth
+            from pairsim.data import synth
 
             manifest = synth.generate(args.out, num_train=args.num_train, num_val=args.num_val,
                                       num_test=args.num_test, image_size=args.image_size, seed=args.seed,

@@ -1,4 +1,5 @@
-"""MLflow tracking: one MLflow run per training job, also across restarts.
+"""MLflow tracking: one MLflow run per training job, also across restarts, and exported models
+in and out of runs and the model registry.
 
 The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
 job is resumed) and logs the config; rank 0 of the workers logs curves, eval metrics and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -19,9 +21,13 @@ from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from pairsim.config import RunConfig
+from pairsim.log import get_logger
+from pairsim.models import retrieval
 
+logger = get_logger("tracking")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "pairsim.run_name"
+MODEL_ARTIFACTS = "model"  # where a run's exported model lives among its MLflow artifacts
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -86,9 +92,9 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
         changed = sorted(k for k, v in flat.items() if k in run.data.params and run.data.params[k] != v)
         if changed:
             client.set_tag(run.info.run_id, f"pairsim.changed_on_attempt{attempt}", ",".join(changed))
-            print(f"[pairsim] resuming {run_name} with changed settings (params keep their first values, "
-                  f"config-attempt{attempt}.yaml has the new ones): " +
-                  ", ".join(f"{k}: {run.data.params[k]} -> {flat[k]}" for k in changed))
+            logger.warning("resuming %s with changed settings (params keep their first values, "
+                           "config-attempt%d.yaml has the new ones): %s", run_name, attempt,
+                           ", ".join(f"{k}: {run.data.params[k]} -> {flat[k]}" for k in changed))
     else:
         run = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name})
         attempt, new_params = 1, cfg.flat()
@@ -132,3 +138,46 @@ class RunLogger:
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         self.client.log_dict(self.run_id, data, artifact_file)
+
+
+def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[Path]:
+    """A training run's exported model (its best checkpoint's, logged under ``model/``) → ``out``."""
+    import mlflow.artifacts
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=MODEL_ARTIFACTS,
+                                                             tracking_uri=tracking_uri, dst_path=tmp))
+        except Exception as exc:  # MLflow raises several types for a missing run or artifact
+            raise FileNotFoundError(f"run {run_id} in {tracking_uri}: no exported model under "
+                                    f"{MODEL_ARTIFACTS}/ ({exc})") from None
+        written = []
+        for source, target in zip(retrieval.exported_files(local / "model.pt"), retrieval.exported_files(out)):
+            if source.is_file():
+                shutil.copyfile(source, target)
+                written.append(target)
+    if not written:
+        raise FileNotFoundError(f"run {run_id}: {MODEL_ARTIFACTS}/ holds no model.pt")
+    return written
+
+
+def register_model(weights: str | Path, name: str, tracking_uri: str, run_id: str | None = None):
+    """Log the exported model with ``mlflow.pytorch.log_model`` into ``run_id`` (or a new run)
+    and register it as ``name`` in MLflow's model registry; returns the model version."""
+    import mlflow
+    import open_clip
+    import torch
+
+    model, _ = retrieval.load_exported(weights)
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run(run_id=run_id):
+        # pickled (a traced pt2 graph would fix the input shapes); pairsim's package travels
+        # in the model (code_paths) so mlflow.pytorch.load_model works where it is not installed
+        info = mlflow.pytorch.log_model(
+            model, name="registered_model", registered_model_name=name, serialization_format="pickle",
+            code_paths=[str(Path(retrieval.__file__).parents[1])],
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"open_clip_torch=={open_clip.__version__}"],
+            extra_files=[str(p) for p in retrieval.exported_files(weights) if p.is_file()])
+    return info.registered_model_version

@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-import torch.distributed as dist
 from PIL import Image
 
-from pairsim import models, shards
+from pairsim import dist
 from pairsim.config import RunConfig
+from pairsim.data import shards
+from pairsim.models import clip
 
 
 @ray.remote(num_cpus=0)
@@ -77,7 +78,7 @@ class DecodeImages:
 
 
 def _pixels(transform, images: list[Image.Image], input_size: tuple[int, int, int]) -> np.ndarray:
-    """uint8 [N, 3, H, W] (see :func:`pairsim.models.image_transforms`)."""
+    """uint8 [N, 3, H, W] (see :func:`pairsim.models.clip.image_transforms`)."""
     if not images:
         return np.zeros((0, *input_size), np.uint8)
     return np.stack([transform(image) for image in images])
@@ -98,7 +99,7 @@ class TrainPreprocess:
     each with its own augmentation of the image, tokenized; ``group_ids`` from the image id.
     With CUSA, the teachers' inputs (live: ``teacher_image.*``, ``teacher_text.*``) or their
     extracted embeddings (``teacher_image``, ``teacher_text`` from a
-    :class:`~pairsim.teachers.TeacherStore`) ride along.
+    :class:`~pairsim.teachers.store.TeacherStore`) ride along.
 
     Randomness comes from the batch's ``draw`` column (Ray Data's seeded ``random()``, new each
     epoch): the caption picks per image, and the augmentation from a generator seeded by the
@@ -107,8 +108,8 @@ class TrainPreprocess:
 
     def __init__(self, cfg: RunConfig, ledger_name: str, teachers: dict | None = None, store=None):
         self.decode = DecodeImages(ledger_name)
-        self.transform = models.image_transforms(cfg.model, augment=cfg.data.augment)[0]
-        self.input_size = models.preprocess_cfg(cfg.model).input_size
+        self.transform = clip.image_transforms(cfg.model, augment=cfg.data.augment)[0]
+        self.input_size = clip.preprocess_cfg(cfg.model).input_size
         self.arch, self.pairs = cfg.model.arch, cfg.data.pairs_per_image
         self.teachers, self.store = teachers or {}, store
 
@@ -122,7 +123,7 @@ class TrainPreprocess:
             torch.manual_seed(int(batch["draw"][0] * 2**53) if len(batch["draw"]) else 0)
             pixels = _pixels(self.transform, [images[i] for i in image_of_pair], self.input_size)
         out = {"pixels": pixels,
-               "tokens": models.tokenizer(self.arch)(captions).numpy(),
+               "tokens": clip.tokenizer(self.arch)(captions).numpy(),
                "group_ids": group_ids(batch["image_id"][keep])[image_of_pair],
                "caption_index": caption_index}
         if "image" in self.teachers and images:
@@ -140,8 +141,8 @@ class TrainPreprocess:
 class EvalImages:
     def __init__(self, cfg: RunConfig, ledger_name: str):
         self.decode = DecodeImages(ledger_name)
-        self.transform = models.image_transforms(cfg.model, augment=False)[1]
-        self.input_size = models.preprocess_cfg(cfg.model).input_size
+        self.transform = clip.image_transforms(cfg.model, augment=False)[1]
+        self.input_size = clip.preprocess_cfg(cfg.model).input_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images, keep = self.decode(batch)
@@ -161,7 +162,7 @@ class EvalTexts:
         index = [k for caps in batch["captions"] for k in range(len(caps))]
         texts = [str(c) for caps in batch["captions"] for c in caps]
         return {"image_id": np.asarray(ids), "caption_index": np.asarray(index, dtype=np.int64),
-                "tokens": models.tokenizer(self.arch)(texts).numpy()}
+                "tokens": clip.tokenizer(self.arch)(texts).numpy()}
 
 
 class InSlices:
@@ -216,21 +217,18 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
         context.use_datasource_v2 = v2
 
 
-def train_dataset(cfg: RunConfig, ledger_name: str) -> ray.data.Dataset:
-    """Training pairs (see :class:`TrainPreprocess`), teacher inputs or features included for
-    CUSA: file order shuffled and a uniform ``draw`` per image, both seeded by ``data.seed``
-    and new each epoch."""
+def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None,
+                  store=None) -> ray.data.Dataset:
+    """Training pairs (see :class:`TrainPreprocess`), with CUSA's live ``teachers``' inputs or
+    the extracted features of a ``store`` (:class:`~pairsim.teachers.store.TeacherStore`): file
+    order shuffled and a uniform ``draw`` per image, both seeded by ``data.seed`` and new each
+    epoch."""
     from ray.data.expressions import random
 
-    from pairsim import teachers
-
-    cusa = cfg.loss.cusa
-    store = teachers.TeacherStore(cusa.teacher_features) if cusa and cusa.teacher_features else None
-    live = teachers.build_teachers(cfg) if cusa and store is None else {}
     ds = read_split(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_seed=cfg.data.seed,
                     include_paths=store is not None)
     ds = ds.with_column("draw", random(seed=cfg.data.seed, reseed_after_execution=True))
-    return map_shards(ds, TrainPreprocess(cfg, ledger_name, live, store), cfg.train.micro_batch_size, cfg)
+    return map_shards(ds, TrainPreprocess(cfg, ledger_name, teachers, store), cfg.train.micro_batch_size, cfg)
 
 
 def train_execution_options(cfg: RunConfig) -> ray.data.ExecutionOptions:
@@ -254,8 +252,8 @@ def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:
 @ray.remote
 def _start_ingest_worker(cfg_json: dict[str, Any]) -> None:
     cfg = RunConfig.model_validate(cfg_json)
-    models.image_transforms(cfg.model, augment=cfg.data.augment)
-    models.tokenizer(cfg.model.arch)
+    clip.image_transforms(cfg.model, augment=cfg.data.augment)
+    clip.tokenizer(cfg.model.arch)
 
 
 def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
@@ -273,20 +271,19 @@ def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:
     return None if seed is None else int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])
 
 
-def equal_steps(batches: Iterable[Any], device: torch.device | str = "cpu") -> Iterator[Any]:
+def equal_steps(batches: Iterable[Any]) -> Iterator[Any]:
     """Yield batches for as long as *every* rank still has one.
 
-    One all-reduce(MIN) of a flag per step: when any rank's shard runs dry, all ranks stop
-    together, so the collectives in the step never wait for a rank that has left the loop.
+    One all-reduce(MIN) of a flag per step (:func:`pairsim.dist.all_true`, on the backend's
+    device): when any rank's shard runs dry, all ranks stop together, so the collectives in
+    the step never wait for a rank that has left the loop.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not dist.is_distributed():
         yield from batches
         return
     iterator = iter(batches)
     while True:
         batch = next(iterator, None)
-        flag = torch.tensor([batch is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if not flag.item():
+        if not dist.all_true(batch is not None):
             return
         yield batch

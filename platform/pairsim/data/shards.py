@@ -1,5 +1,5 @@
 """The on-disk dataset format — Parquet shards per split plus ``manifest.json`` — and the
-shard builder that makes it from a source (:mod:`pairsim.sources`).
+shard builder that makes it from a source (:mod:`pairsim.data.sources`).
 
 Layout::
 
@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
-from pairsim import sources
+from pairsim.data import sources
 from pairsim.config import BuildConfig
 
 SCHEMA_VERSION = 1

@@ -22,7 +22,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from pairsim import shards
+from pairsim.data import shards
 
 SHAPES = {
     "circle": ["circle", "disc", "round shape"],

@@ -4,7 +4,7 @@ img2dataset WebDataset tars and image folders with a JSONL of captions.
 Each ``list_*`` function turns its input into a :class:`Listing`: one :class:`Record` per image
 (where its bytes are, its captions, the split) in input order, and the :class:`Reject`\\ s found
 on the way (bad lines, empty captions, duplicate ids). Nothing here opens an image; the shard
-builder (:mod:`pairsim.shards`) does that in Ray Data tasks.
+builder (:mod:`pairsim.data.shards`) does that in Ray Data tasks.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""Embedding a split: one batch through a model (:func:`embed_batch`, used by the training
+workers' validation too) and Ray Data batch inference over a whole split
+(:func:`embed_with_ray_data`)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from pairsim.config import ModelConfig, RunConfig
+from pairsim.data import ingest
+from pairsim.eval.suite import SplitEmbeddings
+from pairsim.log import get_logger
+from pairsim.models import clip
+from pairsim.models.retrieval import RetrievalModel
+
+log = get_logger("eval")
+
+
+class EmbedBatches:
+    """Ray Data actor: a model embedding decoded images (``pixels``) or tokenized captions
+    (``tokens``), returning the ids that go with them and every embedding the model gives."""
+
+    def __init__(self, model: torch.nn.Module, model_cfg: dict[str, Any], use_gpu: bool):
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.model = model.to(self.device).eval()
+        self.normalize = clip.PixelNormalizer(ModelConfig.model_validate(model_cfg))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.no_grad():
+            return embed_batch(self.model, batch, self.normalize, self.device)
+
+
+def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormalizer, device,
+                dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
+    """One batch of ``ingest.eval_images`` (``pixels``) or ``ingest.eval_texts`` (``tokens``) through
+    ``model`` (a RetrievalModel or the engine wrapping one): the ids that go with the rows and
+    every embedding the model gives, named as :class:`SplitEmbeddings` fields."""
+    if "pixels" in batch:
+        fields = {"image_ids": batch["image_id"], "labels": batch["label"]}
+        out = model(image=normalize(torch.from_numpy(batch["pixels"]).to(device), dtype))
+    else:
+        fields = {"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]}
+        out = model(text=torch.from_numpy(batch["tokens"]).to(device))
+    return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
+
+
+def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str) -> SplitEmbeddings:
+    """A split's embeddings by Ray Data batch inference: the shards decoded and tokenized by
+    CPU tasks, embedded by ``eval.concurrency`` actors (one GPU each with ``train.use_gpu``)
+    anywhere on the cluster, collected on the driver."""
+    ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
+    ledger = ingest.skip_ledger(ledger_name)
+    embed = dict(fn_constructor_args=(model, cfg.model.model_dump(mode="json"), cfg.train.use_gpu),
+                 batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
+                 num_gpus=1 if cfg.train.use_gpu else 0)
+    try:
+        batches = [batch for ds in (ingest.eval_images(cfg, split, ledger_name), ingest.eval_texts(cfg, split))
+                   for batch in ds.map_batches(EmbedBatches, **embed).iter_batches(batch_size=None,
+                                                                                   batch_format="numpy")]
+        skipped = ray.get(ledger.get.remote())
+    finally:
+        ray.kill(ledger)
+    if skipped:
+        log.warning("%s: skipped %d unreadable images, e.g. %s", split, len(skipped), next(iter(skipped.items())))
+    return SplitEmbeddings.from_batches(batches)

@@ -1,0 +1,46 @@
+"""pairsim's logging: one ``pairsim`` logger hierarchy (``pairsim.train``, ``pairsim.data``, …).
+
+The level comes from ``--log-level`` on the command line, else the ``PAIRSIM_LOG_LEVEL``
+environment variable, else INFO; training workers get the driver's level with their config.
+Messages go to the process's real stderr: Ray Train V2 patches ``sys.stdout`` and
+``sys.stderr`` in its workers and would echo every line twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from pairsim.config import ConfigError
+
+ENV_VAR = "PAIRSIM_LOG_LEVEL"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The ``pairsim.<name>`` logger."""
+    return logging.getLogger(f"pairsim.{name}")
+
+
+def resolve_level(level: str | None = None) -> str:
+    """``level``, else ``PAIRSIM_LOG_LEVEL``, else INFO; refuses names that are not levels."""
+    chosen = (level or os.environ.get(ENV_VAR) or "INFO").upper()
+    if chosen not in LEVELS:
+        raise ConfigError(f"log level {chosen!r} is not one of {', '.join(LEVELS)} (--log-level or {ENV_VAR})")
+    return chosen
+
+
+def setup(level: str | None = None) -> str:
+    """Give the ``pairsim`` logger one handler at ``level`` (see :func:`resolve_level`); safe
+    to call again, in the driver and in every worker. Returns the level set."""
+    chosen = resolve_level(level)
+    root = logging.getLogger("pairsim")
+    root.setLevel(chosen)
+    if not any(getattr(h, "_pairsim", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.__stderr__)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        handler._pairsim = True
+        root.addHandler(handler)
+        root.propagate = False
+    return chosen

@@ -1,0 +1,125 @@
+"""The retrieval model pairsim trains: an open_clip model with its fusion module and optional
+heads (:class:`RetrievalModel`), and its export format — open_clip weights, a heads side file
+and a model card.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pairsim.config import ModelConfig
+from pairsim.models import clip
+from pairsim.registry import FUSIONS
+
+
+def projection_head(dim: int) -> torch.nn.Sequential:
+    """LayerNorm + Linear(d, d): CUSA's per-tower head."""
+    return torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim))
+
+
+class RetrievalModel(torch.nn.Module):
+    """An open_clip model plus the pieces pairsim's objectives read.
+
+    ``forward(image=None, text=None)`` returns a dict with ``image`` and ``text`` (cross-modal
+    embeddings, after the optional cross-modal heads), ``fused`` (when both are given and the
+    model has a fusion module: only GCL reads it) and
+    ``image_unimodal`` / ``text_unimodal`` (when uni-modal heads exist). open_clip's own
+    ``logit_scale`` is frozen: the losses own their temperatures and scales.
+
+    The open_clip forward is what runs (not ``encode_*`` alone), so DeepSpeed ZeRO-3 gathers the
+    parameters the CLIP module holds directly (positional embedding, text projection).
+    """
+
+    def __init__(self, open_clip_model: torch.nn.Module, dim: int, fusion: str | None = None,
+                 crossmodal_heads: bool = False, unimodal_heads: bool = False):
+        super().__init__()
+        self.clip = open_clip_model
+        for name in clip.SCALAR_PARAMS:
+            if isinstance(getattr(open_clip_model, name, None), torch.nn.Parameter):
+                getattr(open_clip_model, name).requires_grad_(False)
+        self.fusion = FUSIONS[fusion]() if fusion else None
+        self.cross_heads = torch.nn.ModuleDict(
+            {"image": projection_head(dim), "text": projection_head(dim)}) if crossmodal_heads else None
+        self.unimodal_heads = torch.nn.ModuleDict(
+            {"image": projection_head(dim), "text": projection_head(dim)}) if unimodal_heads else None
+
+    def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        clip_out = self.clip(image=image, text=text)
+        out = {}
+        for modality, features in (("image", clip_out.get("image_features")), ("text", clip_out.get("text_features"))):
+            if features is None:
+                continue
+            out[modality] = self.cross_heads[modality](features) if self.cross_heads is not None else features
+            if self.unimodal_heads is not None:
+                out[f"{modality}_unimodal"] = self.unimodal_heads[modality](features)
+        if self.fusion is not None and image is not None and text is not None:
+            out["fused"] = self.fusion(out["image"], out["text"])
+        return out
+
+
+def create_retrieval_model(cfg: ModelConfig, fused: bool = False, unimodal_heads: bool = False) -> RetrievalModel:
+    """The configured open_clip model with its heads, and ``cfg.fusion`` when the objective reads
+    fused embeddings (GCL) and uni-modal heads when it reads those (CUSA)."""
+    dim = clip.embed_dim(cfg.arch)
+    return RetrievalModel(clip.create_model(cfg), dim, cfg.fusion if fused else None, cfg.crossmodal_heads, unimodal_heads)
+
+
+def open_clip_state(state_dict: dict[str, torch.Tensor], prefix: str = "clip.") -> dict[str, torch.Tensor]:
+    """The open_clip part of a :class:`RetrievalModel` state dict, with open_clip's own key names."""
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def model_card(cfg: ModelConfig, model: RetrievalModel, **extra: Any) -> dict[str, Any]:
+    """What rebuilds ``model`` around exported weights (JSON-ready), plus ``extra`` facts."""
+    return {"model": cfg.model_dump(mode="json"), "fused": model.fusion is not None,
+            "unimodal_heads": model.unimodal_heads is not None, **extra}
+
+
+def exported_files(weights: str | Path) -> tuple[Path, Path, Path]:
+    """(open_clip weights, heads side file, model card) of an export: ``model.pt``,
+    ``model.heads.pt``, ``model.json``."""
+    weights = Path(weights)
+    return weights, weights.with_suffix(".heads.pt"), weights.with_suffix(".json")
+
+
+def write_exported(card: dict[str, Any], state_dict: dict[str, torch.Tensor], weights: str | Path) -> list[Path]:
+    """Write a :class:`RetrievalModel` state dict as open_clip weights (loadable by
+    ``open_clip.create_model_and_transforms(arch, pretrained=weights)``), its heads in a side
+    file (when it has any) and its card; returns the files written."""
+    weights, heads_file, card_file = exported_files(weights)
+    written = [clip.save_open_clip_weights(open_clip_state(state_dict), weights)]
+    heads = {k: v.detach().float().cpu() for k, v in state_dict.items() if not k.startswith("clip.")}
+    if heads:
+        torch.save(heads, heads_file)
+        written.append(heads_file)
+    card_file.write_text(json.dumps(card, indent=2))
+    return written + [card_file]
+
+
+def load_exported(weights: str | Path) -> tuple[RetrievalModel, dict[str, Any]]:
+    """The :class:`RetrievalModel` (eval mode, fp32) and card of an export written by
+    :func:`write_exported`; the open_clip weights go through open_clip's own loader."""
+    weights, heads_file, card_file = exported_files(weights)
+    if not card_file.is_file():
+        raise FileNotFoundError(f"{card_file}: no model card beside {weights} (not a pairsim export?)")
+    card = json.loads(card_file.read_text())
+    cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights)})
+    model = create_retrieval_model(cfg, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    if heads_file.is_file():
+        missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu"), strict=False)
+        missing = [k for k in missing if not k.startswith("clip.")]
+        if missing or unexpected:
+            raise ValueError(f"{heads_file}: heads do not fit the model card (missing {missing}, "
+                             f"unexpected {unexpected})")
+    elif model.cross_heads is not None or model.unimodal_heads is not None:
+        raise FileNotFoundError(f"{heads_file}: the model card names heads, but their file is missing")
+    return model.eval(), card
+
+
+def fusion_module(model: RetrievalModel, cfg: ModelConfig) -> torch.nn.Module:
+    """The model's own fusion module, else the configured one (the evaluation's image+text items)."""
+    return model.fusion if model.fusion is not None else FUSIONS[cfg.fusion]()

@@ -1,0 +1,82 @@
+"""Registries: the named implementations of each extension point, keyed by the name config and
+the command line use.
+
+One :class:`Registry` per extension point, each living with its concept — base losses and
+similarity structures (:mod:`pairsim.losses.modules`), fusions (:mod:`pairsim.models.fusion`),
+teachers (:mod:`pairsim.teachers.encoders`), data formats (:mod:`pairsim.data.sources`) and
+retrieval metrics (:mod:`pairsim.eval.suite`). Validation, CLI choices, the README tables and
+the MLflow param names are read from them, never repeated.
+
+A registry is created in this module, which imports nothing of pairsim, so that the config
+(the bottom layer) can validate against it; each one names the module that registers its
+built-in entries, imported on the first lookup — the way ``importlib.metadata`` entry points
+load plugins. Code outside the package registers its own entries the same way::
+
+    from pairsim.registry import BASE_LOSSES
+
+    @BASE_LOSSES.register("my_loss")
+    class MyLoss(BaseLoss): ...
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Named entries of one extension point.
+
+    Args:
+        field: the config key or CLI flag that names an entry (``loss.base``), used in errors.
+        provider: the module whose import registers the built-in entries.
+    """
+
+    def __init__(self, field: str, provider: str):
+        self.field, self.provider = field, provider
+        self._entries: dict[str, T] = {}
+        self._loaded = False
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: register the decorated object as ``name``."""
+        def add(entry: T) -> T:
+            if name in self._entries and self._entries[name] is not entry:
+                raise ValueError(f"{self.field}: {name!r} is already registered ({self._entries[name]!r})")
+            self._entries[name] = entry
+            return entry
+        return add
+
+    def _load(self) -> dict[str, T]:
+        if not self._loaded:
+            self._loaded = True
+            importlib.import_module(self.provider)
+        return self._entries
+
+    def __getitem__(self, name: str) -> T:
+        entries = self._load()
+        if name not in entries:
+            raise KeyError(f"{self.field}: unknown {name!r} (registered: {', '.join(entries)})")
+        return entries[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._load()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._load()))
+
+    def names(self) -> list[str]:
+        return list(self._load())
+
+    def items(self) -> list[tuple[str, T]]:
+        return list(self._load().items())
+
+
+BASE_LOSSES: Registry = Registry("loss.base", "pairsim.losses.modules")
+STRUCTURES: Registry = Registry("loss.structure", "pairsim.losses.modules")
+FUSIONS: Registry = Registry("model.fusion", "pairsim.models.fusion")
+TEACHERS: Registry = Registry("loss.cusa.*_teacher.kind", "pairsim.teachers.encoders")
+DATA_FORMATS: Registry = Registry("--format", "pairsim.data.sources")
+METRICS: Registry = Registry("eval.select_metric", "pairsim.eval.suite")

@@ -1,0 +1,188 @@
+"""The driver of a training job: config → checks → Ray → ``TorchTrainer`` → result.
+
+:func:`fit` checks data, model and teachers before the cluster is touched, starts or joins Ray,
+opens the MLflow run, builds the lazy Ray Data pipelines and launches the workers
+(:func:`pairsim.train.worker.train_loop_per_worker`); at the end it exports the best checkpoint
+and evaluates it once on the test split.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+import ray.train
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from pairsim import log, tracking
+from pairsim.config import ConfigError, RunConfig
+from pairsim.data import ingest, shards
+from pairsim.eval import inference, report, suite
+from pairsim.models import clip, retrieval
+from pairsim.teachers import encoders as teachers
+from pairsim.teachers.store import TeacherStore
+from pairsim.train import engine
+from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
+
+logger = log.get_logger("train")
+
+
+def steps_per_epoch(cfg: RunConfig) -> int:
+    """Global steps in one epoch over the train split (the last partial global batch is dropped)."""
+    counts = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
+    pairs = counts["captions"] if cfg.data.pairs_per_image == "all" else counts["images"] * cfg.data.pairs_per_image
+    return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers)
+
+
+@dataclass
+class TrainResult:
+    """``metrics``: the last epoch's report; ``checkpoint_path``: the latest checkpoint (to
+    resume from); ``best_checkpoint_path``: the one ``eval.select_metric`` chose, exported to
+    the MLflow run and evaluated on test (``test_metrics``, empty without a test split)."""
+
+    run_name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    metrics: dict[str, Any]
+    checkpoint_path: str | None
+    best_checkpoint_path: str | None = None
+    test_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: str) -> tuple[str, dict[str, float]]:
+    """Export the best checkpoint (by ``eval.select_metric`` on val) into the MLflow run's
+    ``model/`` and evaluate it once on the test split, when the data has one."""
+    best = result.get_best_checkpoint(selection_metric(cfg), cfg.eval.select_mode)
+    run = tracking.RunLogger(tracking_uri, run_id)
+    with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
+        card = engine.checkpoint_card(checkpoint)
+        written = engine.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
+        for path in written:
+            run.log_artifact(path, tracking.MODEL_ARTIFACTS)
+        run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best.path,
+                      "pairsim.select_metric": cfg.eval.select_metric})
+        logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
+                    selection_metric(cfg), card["val"][selection_metric(cfg)], best.path, tracking.MODEL_ARTIFACTS)
+        split = cfg.data.test_split
+        if split is None or split not in shards.read_manifest(cfg.data.path)["splits"]:
+            logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.path)
+            return best.path, {}
+        model, _ = retrieval.load_exported(written[0])
+    embeddings = inference.embed_with_ray_data(model, cfg, split)
+    result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
+    report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
+                      split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
+    return best.path, result_report.metrics
+
+
+def check_ready(cfg: RunConfig) -> None:
+    """Everything that can be checked before the cluster is touched."""
+    clip.check_model_config(cfg.model)
+    try:
+        for split in (cfg.data.train_split, cfg.data.val_split):
+            shards.split_files(cfg.data.path, split)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"data.path: {exc}") from None
+    teachers.check_teachers(cfg)
+    if cfg.loss.cusa and cfg.loss.cusa.teacher_features:
+        TeacherStore(cfg.loss.cusa.teacher_features).check(cfg)
+    if cfg.data.max_cpus is not None and cfg.data.max_cpus < cfg.data.cpus_per_task:
+        raise ConfigError(f"data.max_cpus: {cfg.data.max_cpus} is less than one task's data.cpus_per_task "
+                          f"({cfg.data.cpus_per_task}): ingest could never run")
+    if steps_per_epoch(cfg) < 1:
+        raise ConfigError(
+            f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers is larger "
+            f"than the {cfg.data.train_split} split of {cfg.data.path}")
+
+
+IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit
+
+
+def init_ray(cfg: RunConfig) -> None:
+    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
+    a local instance sized workers × CPUs + ``ray.data_cpus``.
+
+    Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
+    keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
+    instance keeps more idle worker processes than Ray's default (one per CPU, actors
+    included): otherwise the decode workers, which import torch and open_clip (~6 s), are
+    killed while the model is validated and every epoch starts cold (~9 s before its first
+    batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
+    ``RAY_num_workers_soft_limit``."""
+    if ray.is_initialized():
+        return
+    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        ray.init(address=cfg.ray.address)  # None: Ray reads RAY_ADDRESS
+    else:
+        cpus = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus)
+        ray.init(num_cpus=cpus, _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def check_cpu_budget(cfg: RunConfig) -> None:
+    """Refuse a run whose training workers would leave Ray Data no CPU for one task (it would
+    wait forever for data), naming the knobs that fix it."""
+    total = ray.cluster_resources().get("CPU", 0.0)
+    train_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
+    if total - train_cpus < cfg.data.cpus_per_task:
+        raise ConfigError(
+            f"train.num_workers × train.cpus_per_worker = {train_cpus:g} of the cluster's {total:g} CPUs leaves "
+            f"{total - train_cpus:g} for Ray Data, less than one task's data.cpus_per_task ({cfg.data.cpus_per_task:g}); "
+            "lower them, add CPU nodes, or give a local instance more with ray.data_cpus")
+
+
+def fit(cfg: RunConfig) -> TrainResult:
+    check_ready(cfg)
+    run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
+    per_epoch = steps_per_epoch(cfg)
+    ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
+    tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
+    init_ray(cfg)
+    check_cpu_budget(cfg)
+    ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
+
+    ledger_name = f"pairsim-skips-{run_name}"
+    ledger = ingest.skip_ledger(ledger_name)
+    cusa = cfg.loss.cusa
+    store = TeacherStore(cusa.teacher_features) if cusa and cusa.teacher_features else None
+    live_teachers = teachers.build_teachers(cfg) if cusa and store is None else {}
+    datasets = {
+        "train": ingest.train_dataset(cfg, ledger_name, live_teachers, store),
+        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name),
+        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split),
+    }
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
+                                            log_level=logging.getLevelName(logger.getEffectiveLevel()))},
+        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+        run_config=ray.train.RunConfig(
+            name=run_name, storage_path=str(Path(cfg.ray.storage_path).resolve()),
+            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
+                                               checkpoint_score_order=cfg.eval.select_mode),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures)),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"],
+                                  execution_options={"train": ingest.train_execution_options(cfg)}),
+    )
+    succeeded = False
+    try:
+        result = trainer.fit()
+        best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
+        succeeded = True
+    finally:
+        tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
+        ray.kill(ledger)
+    return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
+                       result.checkpoint.path if result.checkpoint else None, best_path, test_metrics)

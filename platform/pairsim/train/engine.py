@@ -1,0 +1,164 @@
+"""The DeepSpeed engine a training worker runs, and its checkpoints.
+
+:func:`create_engine` builds the retrieval model and objective as one module
+(:class:`TrainingModule`) and hands it to DeepSpeed with the config :func:`deepspeed_config`
+derives from the run config. A pairsim checkpoint is a Ray Train checkpoint directory holding
+a DeepSpeed checkpoint (tag ``deepspeed``, files from every rank, :func:`save_checkpoint`) and
+the model card (``pairsim_model.json``, written by rank 0) that rebuilds the model;
+:func:`export_checkpoint` consolidates it — ZeRO-1/2/3 partitions merged into fp32 weights with
+DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights), ``model.heads.pt`` and
+``model.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import torch
+
+from pairsim import dist
+from pairsim.config import OptimConfig, RunConfig, TrainConfig
+from pairsim.losses import Objective, build_objective
+from pairsim.models import retrieval
+from pairsim.models.retrieval import RetrievalModel
+
+CHECKPOINT_TAG = "deepspeed"
+CARD_FILE = "pairsim_model.json"
+MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingModule(torch.nn.Module):
+    """What the DeepSpeed engine wraps: the retrieval model and the objective, whose learnable
+    temperatures train (and are partitioned by ZeRO) with the model.
+
+    ``forward(image, text)`` returns the model's embeddings; given the batch's ``group_ids``
+    (and teacher embeddings for CUSA) it returns the objective's loss terms instead.
+    """
+
+    def __init__(self, model: RetrievalModel, objective: Objective):
+        super().__init__()
+        self.model, self.objective = model, objective
+
+    def forward(self, image=None, text=None, **batch) -> dict[str, torch.Tensor]:
+        features = self.model(image=image, text=text)
+        return self.objective(**features, **batch) if batch else features
+
+
+def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -> dict[str, Any]:
+    """The DeepSpeed config of a run: ZeRO stage, precision, clipping, AdamW, warm-up + cosine LR.
+
+    Gradient accumulation stays 1: a contrastive loss over accumulated micro-batches is not the
+    loss over the larger batch (its negatives differ).
+    """
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "bf16": {"enabled": train.precision == "bf16"},
+        "fp16": {"enabled": train.precision == "fp16"},
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW on CPU; DeepSpeed's fused Adam on GPU
+            "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
+                       "weight_decay": optim.weight_decay, "torch_adam": not train.use_gpu},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": optim.warmup_steps,
+                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": optim.min_lr_ratio},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """No weight decay on gains, biases, embeddings of position/class and other 1-D params (as open_clip)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        exclude = param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
+        (no_decay if exclude else decay).append(param)
+    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+
+
+def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
+    """The DeepSpeed engine over the run's objective and the model with what the objective
+    reads (fused embeddings, uni-modal heads), its weights seeded by ``train.seed``."""
+    import deepspeed  # imported in the worker only (ray #50406)
+
+    objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
+    torch.manual_seed(cfg.train.seed)
+    model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,
+                                             unimodal_heads="image_unimodal" in objective.needs)
+    module = TrainingModule(model, objective)
+    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
+                                           model_parameters=parameter_groups(module, cfg.optim.weight_decay))
+    return engine
+
+
+def restore(engine) -> tuple[int, int]:
+    """(first epoch to run, global step) from Ray Train's latest checkpoint, or (0, 0)."""
+    checkpoint = ray.train.get_checkpoint()
+    if not checkpoint:
+        return 0, 0
+    with checkpoint.as_directory() as ckpt_dir:
+        _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
+        dist.barrier()
+    if engine.global_steps != client_state["global_step"]:
+        raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, "
+                           f"pairsim step {client_state['global_step']}")
+    return client_state["epoch"] + 1, client_state["global_step"]
+
+
+def save_checkpoint(engine, epoch: int, step: int, card: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+    """Save the engine on every rank (rank 0 adds the model ``card``) and report the merged
+    checkpoint with ``metrics`` to Ray Train, which keeps it."""
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
+        if card is not None:
+            (Path(ckpt_dir) / CARD_FILE).write_text(json.dumps(card, indent=2))
+        dist.barrier()
+        ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
+                         checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
+
+
+def checkpoint_card(checkpoint: str | Path) -> dict:
+    card_file = Path(checkpoint) / CARD_FILE
+    if not card_file.is_file():
+        raise FileNotFoundError(f"{checkpoint}: not a pairsim checkpoint (no {CARD_FILE})")
+    return json.loads(card_file.read_text())
+
+
+def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint's RetrievalModel (the objective's temperatures left out).
+
+    With ZeRO (stage ≥ 1) they come from the optimizer's fp32 partitions of every rank, merged
+    by DeepSpeed's ``zero_to_fp32`` (the only complete copy under ZeRO-3, and the unrounded
+    one under bf16); without, from the engine's module states.
+    """
+    ds_dir = Path(checkpoint) / CHECKPOINT_TAG
+    if not ds_dir.is_dir():
+        raise FileNotFoundError(f"{checkpoint}: no DeepSpeed checkpoint ({CHECKPOINT_TAG}/)")
+    if checkpoint_card(checkpoint)["zero_stage"] >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
+    else:
+        state = torch.load(ds_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    return {k[len(MODEL_PREFIX):]: v.float() for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
+    """Consolidate ``checkpoint`` and write ``out`` (open_clip weights) with its side files."""
+    card = checkpoint_card(checkpoint)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return retrieval.write_exported(card, checkpoint_state_dict(checkpoint), out)

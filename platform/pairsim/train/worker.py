@@ -1,0 +1,198 @@
+"""The per-worker training loop Ray Train runs on every worker: config in, metrics out.
+
+Build the DeepSpeed engine (:mod:`pairsim.train.engine`), resume from Ray Train's latest
+checkpoint if there is one, then for each epoch: train on the global batch, evaluate on val
+(rank 0 logs to MLflow), and save a checkpoint on every rank that Ray Train merges and keeps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import ray.train
+import torch
+
+from pairsim import dist, log
+from pairsim.config import RunConfig
+from pairsim.data import ingest
+from pairsim.eval import inference, suite
+from pairsim.models import clip, retrieval
+from pairsim.teachers.encoders import MODALITIES, Teacher, build_teachers
+from pairsim.tracking import RunLogger
+from pairsim.train import engine as engines
+
+logger = log.get_logger("train")
+CONSOLE_METRICS = ("val/i2t_R@1", "val/t2i_R@1", "val/rsum", "val/t2t_R@1", "val/i2i_R@1", "val/grid_text2fused_R@1")
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What the driver hands every worker: the validated run config and what it derived."""
+
+    cfg: RunConfig
+    deepspeed_config: dict[str, Any]
+    steps_per_epoch: int
+    run_id: str
+    tracking_uri: str
+    ledger: str  # name of the run's skipped-image ledger actor
+    log_level: str
+
+
+def selection_metric(cfg: RunConfig) -> str:
+    """The reported val metric that picks the best checkpoint."""
+    return f"val/{cfg.eval.select_metric}"
+
+
+class StepTimer:
+    """One epoch's time spent waiting for data vs computing — the wait for its first batch (Ray
+    Data starting the epoch's stream) kept apart — and samples/s over the logging window."""
+
+    def __init__(self, samples_per_step: int):
+        self.samples_per_step = samples_per_step
+        self.wait = self.compute = 0.0
+        self.first_batch_wait: float | None = None
+        self.last = self.window_start = time.perf_counter()
+        self.window_steps = 0
+
+    def batch_ready(self) -> None:
+        now = time.perf_counter()
+        if self.first_batch_wait is None:
+            self.first_batch_wait = now - self.last
+        self.wait, self.last = self.wait + now - self.last, now
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.compute, self.last = self.compute + now - self.last, now
+        self.window_steps += 1
+
+    def window_rate(self) -> float:
+        """samples/s since the last call, which starts a new window."""
+        rate = self.window_steps * self.samples_per_step / (self.last - self.window_start)
+        self.window_start, self.window_steps = self.last, 0
+        return rate
+
+    def metrics(self) -> dict[str, float]:
+        """``perf/data_wait_share`` of the epoch's step time, the same after the first batch
+        (``perf/data_wait_share_running``) and the first batch's wait in seconds."""
+        first = self.first_batch_wait or 0.0
+        return {"perf/data_wait_share": self.wait / max(self.wait + self.compute, 1e-9),
+                "perf/data_wait_share_running": (self.wait - first) / max(self.wait - first + self.compute, 1e-9),
+                "perf/first_batch_wait_s": first}
+
+
+def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, Teacher],
+                       device) -> dict[str, torch.Tensor]:
+    """``teacher_image`` / ``teacher_text`` of a batch: extracted ones as they come, live ones
+    embedded here from the teacher inputs the pipeline prepared."""
+    out = {}
+    for modality in MODALITIES:
+        key = f"teacher_{modality}"
+        if key in batch:
+            out[key] = batch[key].to(device)
+        elif modality in live:
+            inputs = {k.split(".", 1)[1]: v for k, v in batch.items() if k.startswith(key + ".")}
+            out[key] = live[modality].embed(inputs, device)
+    return out
+
+
+def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbeddings:
+    """The val split's image and caption embeddings (uni-modal ones too, when the model has
+    heads for them), computed on every rank.
+
+    Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
+    gathering in step; rank 0 uses the result.
+    """
+    normalize = clip.PixelNormalizer(cfg.model)
+    engine.eval()
+    with torch.no_grad():
+        batches = [inference.embed_batch(engine, batch, normalize, engine.device, dtype)
+                   for name in ("val_images", "val_texts")
+                   for batch in ray.train.get_dataset_shard(name).iter_batches(
+                       batch_size=cfg.eval.batch_size, batch_format="numpy")
+                   if len(batch["image_id"])]  # a batch whose images were all unreadable is empty
+    engine.train()
+    return suite.SplitEmbeddings.from_batches(batches)
+
+
+def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger | None,
+             step: int) -> dict[str, float]:
+    """The val split's evaluation suite (:func:`pairsim.eval.suite.evaluate_split`) and the
+    skipped-image count, logged on rank 0 ({} on other ranks)."""
+    embeddings = embed_split(engine, cfg, dtype)
+    if run is None:
+        return {}
+    report = suite.evaluate_split(embeddings, retrieval.fusion_module(engine.module.model, cfg.model), cfg.eval.ks)
+    metrics = {f"val/{k}": v for k, v in report.metrics.items()}
+    if selection_metric(cfg) not in metrics:
+        raise ValueError(f"eval.select_metric: the val split gives no {cfg.eval.select_metric!r} "
+                         f"(it gives {', '.join(report.metrics)})")
+    skipped = ray.get(ledger.get.remote())
+    metrics["data/skipped_images"] = len(skipped)
+    if skipped:
+        run.log_dict(skipped, "data/skipped_images.json")
+        logger.warning("skipped %d unreadable images so far, e.g. %s; all are listed in the run's "
+                       "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
+    run.log_metrics(metrics, step)
+    return metrics
+
+
+def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
+    job = loop_config["job"]
+    cfg = job.cfg
+    log.setup(job.log_level)
+    rank, world = dist.rank(), dist.world_size()
+
+    engine = engines.create_engine(cfg, job.deepspeed_config)
+    dtype = engines.DTYPES[cfg.train.precision]
+    live_teachers = build_teachers(cfg) if cfg.loss.cusa and not cfg.loss.cusa.teacher_features else {}
+    start_epoch, step = engines.restore(engine)
+    if rank == 0 and step:
+        logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
+
+    run = RunLogger(job.tracking_uri, job.run_id) if rank == 0 else None
+    ledger = ray.get_actor(job.ledger)
+    train_shard = ray.train.get_dataset_shard("train")
+    normalize = clip.PixelNormalizer(cfg.model)
+
+    for epoch in range(start_epoch, cfg.train.epochs):
+        batches = train_shard.iter_torch_batches(
+            batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
+            local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
+        timer = StepTimer(cfg.train.micro_batch_size * world)
+        for epoch_step, batch in enumerate(ingest.equal_steps(batches), start=1):
+            timer.batch_ready()
+            try:
+                out = engine(image=normalize(batch["pixels"].to(engine.device), dtype),
+                             text=batch["tokens"].to(engine.device), group_ids=batch["group_ids"].to(engine.device),
+                             **teacher_embeddings(batch, live_teachers, engine.device))
+            except FloatingPointError as exc:
+                raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
+            loss = out["loss"]
+            engine.backward(loss)
+            engine.step()
+            step += 1
+            timer.step_done()
+            if step % cfg.train.log_every_n_steps == 0:
+                logged = dist.mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
+                rate = timer.window_rate()
+                if run:
+                    lr = engine.get_lr()[0]
+                    run.log_metrics(logged | {"train/lr": lr, "train/samples_per_s": rate,
+                                              "train/epoch": epoch + epoch_step / max(job.steps_per_epoch, 1)}, step)
+                    logger.info("epoch %d/%d step %d loss %.4f lr %.2e %.0f samples/s", epoch + 1, cfg.train.epochs,
+                                step, logged["train/loss"], lr, rate)
+
+        metrics = validate(engine, cfg, dtype, ledger, run, step)
+        card = None
+        if run:
+            run.log_metrics(timer.metrics(), step)
+            shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
+            logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
+                f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
+            card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
+                                        epoch=epoch + 1, step=step, val=metrics)
+        engines.save_checkpoint(engine, epoch, step, card, metrics)
