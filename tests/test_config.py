@@ -1,7 +1,11 @@
+import pickle
+from pathlib import Path
+
 import pytest
 import yaml
 
-from pairsim.cli import main
+import pairsim.cli
+from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import ConfigError, RunConfig, load_config
 
 
@@ -37,7 +41,7 @@ def test_overrides_are_applied_and_parsed_as_yaml(tmp_path):
     path = write(tmp_path, {"loss": {"margin": 0.1}})
     cfg = load_config(path, ["loss.margin=0.3", "optim.betas=[0.8, 0.9]", "train.precision=bf16",
                              "model.pretrained=weights.pt"])
-    assert cfg.loss.margin == 0.3
+    assert cfg.loss.base_params.margin == 0.3
     assert cfg.optim.betas == (0.8, 0.9)
     assert cfg.train.precision == "bf16"
     assert cfg.model.pretrained == "weights.pt"
@@ -98,12 +102,14 @@ def test_unknown_architecture_is_named(tmp_path, tiny_dataset, capsys):
     ("loss.structure=triangle", "loss.structure"),
     ("loss.cusa={alpha: 0.1}", "loss.cusa"),
     ("loss.cusa={image_teacher: {kind: unicom}}", "loss.cusa.image_teacher.kind"),
-    ("loss.cusa={image_teacher: {kind: open_clip, arch: ViT-B-32}}", "loss.cusa.image_teacher"),
+    ("loss.cusa={image_teacher: {kind: open_clip, arch: ViT-B-32}}", "loss.cusa.image_teacher.path"),
     ("loss.temperature={init: 0.5, min: 0.01, max: 0.1}", "loss.temperature"),
 ])
 def test_bad_loss_settings_are_rejected_naming_the_field(override, field):
+    # the temperature is infonce's parameter
+    base = ["loss.base=infonce"] if override.startswith("loss.temperature") else []
     with pytest.raises(ConfigError) as exc:
-        load_config(None, [override])
+        load_config(None, base + [override])
     assert any(line.strip().startswith(field + ":") or line.strip().startswith(field + " ")
                for line in str(exc.value).splitlines()), str(exc.value)
 
@@ -120,7 +126,8 @@ def test_config_files_layer_left_to_right(tmp_path):
     overlay = tmp_path / "overlay.yaml"
     overlay.write_text(yaml.safe_dump({"loss": {"structure": "gcl", "gamma": 40}}))
     cfg = load_config([base, overlay], ["loss.margin=0.3"])
-    assert (cfg.loss.structure, cfg.loss.gamma, cfg.loss.margin, cfg.train.epochs) == ("gcl", 40, 0.3, 2)
+    assert (cfg.loss.structure, cfg.loss.base_params.gamma, cfg.loss.base_params.margin,
+            cfg.train.epochs) == ("gcl", 40, 0.3, 2)
 
 
 @pytest.mark.parametrize("metric", ["rsum", "t2i_R@1", "i2t_mAP@R", "t2t_R-P", "i2i_R@10", "i2t_median_rank",
@@ -143,3 +150,107 @@ def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_datase
     assert "--split" in capsys.readouterr().err
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 1
     assert "not a pairsim checkpoint" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- strict values, params owned by the entry
+
+@pytest.mark.parametrize("overrides,names", [
+    (["loss.base=infonce", "loss.margin=1.5"], ["loss.margin", "infonce"]),
+    (["loss.base=triplet_hn", "loss.gamma=10"], ["loss.gamma", "triplet_hn"]),
+    (["loss.structure=image_text", "loss.gcl_mask_self=false"], ["loss.gcl_mask_self", "image_text"]),
+    (["optim.lr=inf"], ["optim.lr"]),
+    (["optim.lr=.nan"], ["optim.lr"]),
+    (["optim.lr=-.inf"], ["optim.lr"]),
+    (["train.epochs=true"], ["train.epochs"]),
+    (['train.epochs="3"'], ["train.epochs"]),
+    (["train.epochs=2.0"], ["train.epochs"]),
+    (["loss.local_loss=1"], ["loss.local_loss"]),
+    (["optim.betas=[0.9,1.0]"], ["optim.betas"]),
+    (["optim.betas=[-0.1,0.9]"], ["optim.betas"]),
+    (["loss.cusa={image_teacher: {kind: open_clip, arch: pairsim-tiny, path: t.pt, max_length: 32}}"],
+     ["loss.cusa.image_teacher.max_length", "open_clip"]),
+    (["loss.cusa={image_teacher: {kind: initial_student, arch: pairsim-tiny}}"],
+     ["loss.cusa.image_teacher.arch", "initial_student"]),
+])
+def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, names):
+    import ray
+
+    path = write(tmp_path, {"train": {"epochs": 1}})
+    assert main(["train", "--config", str(path), *(a for o in overrides for a in ("--set", o))]) == 2
+    err = capsys.readouterr().err
+    key = names[0]
+    lines = [line.strip() for line in err.splitlines() if line.strip().startswith(key)]
+    assert lines and all(n in lines[0] for n in names), err
+    assert not ray.is_initialized()
+
+
+def test_param_of_another_loss_names_the_chosen_ones_parameters():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["loss.base=infonce", "loss.margin=1.5"])
+    assert "loss.margin: not a parameter of loss.base 'infonce' (its parameters: temperature;" in str(exc.value)
+    assert str(exc.value).startswith("1 error(s)")
+
+
+def test_keys_no_entry_knows_stay_unknown_and_unknown_names_list_the_registered():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["loss.base=circle", "loss.margin=0.3", "loss.colour=red"])
+    message = str(exc.value)
+    assert "loss.colour: unknown key" in message
+    assert "loss.base: not a registered name (registered: infonce, unified, triplet_hn" in message
+    assert message.startswith("2 error(s)")  # margin is not reported against an unknown base
+
+
+def test_floats_written_as_ints_and_yaml_1_2_exponents(tmp_path):
+    assert load_config(None, ["optim.lr=1e-3"]).optim.lr == 0.001
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 2e-4\n  eps: 1E-8\nloss:\n  gamma: 20\n")
+    cfg = load_config(path)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.loss.base_params.gamma) == (2e-4, 1e-8, 20.0)
+    assert isinstance(cfg.loss.base_params.gamma, float)
+
+
+SHIPPED = sorted(Path(pairsim.cli.DEMO_CONFIG).parent.glob("objectives/*.yaml"))
+
+
+@pytest.mark.parametrize("files", [[DEMO_CONFIG]] + [[DEMO_CONFIG, f] for f in SHIPPED],
+                         ids=["demo"] + [f.stem for f in SHIPPED])
+def test_shipped_configs_load_and_round_trip(files):
+    cfg = load_config(files)
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+    assert RunConfig.model_validate(yaml.safe_load(cfg.to_yaml())) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # as shipped to the Ray workers
+    flat = cfg.flat()
+    assert not any("params" in key for key in flat), flat
+    if cfg.loss.base == "unified":
+        assert {"loss.margin", "loss.gamma"} <= set(flat) and "loss.temperature.init" not in flat
+    if cfg.loss.base == "infonce":
+        assert "loss.temperature.init" in flat and "loss.margin" not in flat
+    if cfg.loss.structure == "gcl":
+        assert flat["loss.gcl_mask_self"] is True
+    if cfg.loss.cusa is not None:
+        assert flat["loss.cusa.text_teacher.kind"] == "sentence_transformers"
+        assert flat["loss.cusa.text_teacher.max_length"] == 24
+        assert "loss.cusa.text_teacher.path" in flat and "loss.cusa.image_teacher.path" not in flat
+
+
+def test_flat_keys_of_infonce_and_teachers():
+    cfg = load_config(None, ["loss.base=infonce", "loss.structure=gcl", "loss.temperature.init=0.07",
+                             "loss.cusa={image_teacher: {kind: open_clip, arch: pairsim-tiny, path: t.pt}}"])
+    flat = cfg.flat()
+    assert (flat["loss.temperature.init"], flat["loss.gcl_mask_self"]) == (0.07, True)
+    assert (flat["loss.cusa.image_teacher.kind"], flat["loss.cusa.image_teacher.arch"],
+            flat["loss.cusa.image_teacher.path"]) == ("open_clip", "pairsim-tiny", "t.pt")
+    assert list(cfg.loss.model_dump())[:3] == ["structure", "base", "temperature"]
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+
+
+def test_a_layer_that_replaces_the_base_drops_the_old_bases_params(tmp_path):
+    """demo.yaml sets unified's margin and gamma: a later layer choosing infonce drops them, one
+    choosing triplet_hn keeps the margin; a param written in the same layer is still refused."""
+    assert load_config(DEMO_CONFIG, ["loss.base=infonce"]).flat()["loss.temperature.init"] == 0.05
+    assert load_config(DEMO_CONFIG, ["loss.base=triplet_hn"]).loss.base_params.margin == 0.1
+    with pytest.raises(ConfigError, match=r"loss\.margin: not a parameter of loss\.base 'infonce'"):
+        load_config(DEMO_CONFIG, ["loss.base=infonce", "loss.margin=0.3"])
+    with pytest.raises(ConfigError, match=r"loss\.gamma: not a parameter of loss\.base 'triplet_hn'"):
+        load_config(write(tmp_path, {"loss": {"base": "triplet_hn", "gamma": 30}}))

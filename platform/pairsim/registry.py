@@ -73,6 +73,20 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         return list(self._load().items())
 
+    def describe(self, name: str) -> str:
+        """The first paragraph of the entry's docstring, on one line."""
+        doc = (getattr(self[name], "__doc__", None) or "").strip()
+        return " ".join(doc.split("\n\n")[0].split())
+
+    def parameters(self, name: str) -> str:
+        """The config keys the entry owns (its ``Params``, with their defaults, or a data format's
+        ``options``), or ``—``."""
+        entry = self[name]
+        fields = getattr(getattr(entry, "Params", None), "model_fields", {})
+        shown = [f"`{key}`" + ("" if f.is_required() or f.default_factory else f" = {f.default!r}")
+                 for key, f in fields.items()] + [f"`{key}`" for key in getattr(entry, "options", {})]
+        return ", ".join(shown) or "—"
+
 
 BASE_LOSSES: Registry = Registry("loss.base", "pairsim.losses.modules")
 STRUCTURES: Registry = Registry("loss.structure", "pairsim.losses.modules")
@@ -80,3 +94,17 @@ FUSIONS: Registry = Registry("model.fusion", "pairsim.models.fusion")
 TEACHERS: Registry = Registry("loss.cusa.*_teacher.kind", "pairsim.teachers.encoders")
 DATA_FORMATS: Registry = Registry("--format", "pairsim.data.sources")
 METRICS: Registry = Registry("eval.select_metric", "pairsim.eval.suite")
+
+ALL = {"Base losses": BASE_LOSSES, "Similarity structures": STRUCTURES, "Fusions": FUSIONS, "Teachers": TEACHERS,
+       "Data formats": DATA_FORMATS, "Metric families": METRICS}
+
+
+def markdown() -> str:
+    """Every registry as a Markdown table (name, what it is): the README's extension-point tables."""
+    parts = []
+    for title, registry in ALL.items():
+        rows = "\n".join(f"| `{name}` | {registry.describe(name)} | {registry.parameters(name)} |"
+                         for name in registry.names())
+        parts.append(f"**{title}** (`{registry.field}`)\n\n| name | what it is | its own keys |\n|---|---|---|\n{rows}")
+    return "\n\n".join(parts)
+

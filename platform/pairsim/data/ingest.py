@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from pairsim import dist
-from pairsim.config import RunConfig
+from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.models import clip
 
@@ -250,10 +250,9 @@ def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:
 
 
 @ray.remote
-def _start_ingest_worker(cfg_json: dict[str, Any]) -> None:
-    cfg = RunConfig.model_validate(cfg_json)
-    clip.image_transforms(cfg.model, augment=cfg.data.augment)
-    clip.tokenizer(cfg.model.arch)
+def _start_ingest_worker(model: ModelConfig, augment: bool) -> None:
+    clip.image_transforms(model, augment=augment)
+    clip.tokenizer(model.arch)
 
 
 def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
@@ -263,7 +262,7 @@ def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
     free = ray.cluster_resources().get("CPU", 0.0) - train_cpus
     slots = min(int(min(free, cfg.data.max_cpus or free) // cfg.data.cpus_per_task), 16)
     for _ in range(slots):
-        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task).remote(cfg.model_dump(mode="json"))
+        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task).remote(cfg.model, cfg.data.augment)
 
 
 def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:

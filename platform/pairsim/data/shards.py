@@ -34,12 +34,14 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
 from pairsim.data import sources
 from pairsim.config import BuildConfig
+from pairsim.registry import DATA_FORMATS
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -146,6 +148,13 @@ def split_files(root: Path, split: str) -> list[str]:
             f"{root}/{split}: manifest lists {manifest['splits'][split]['shards']} shards, found {len(files)}"
         )
     return files
+
+
+def label_and_caption_counts(root: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's class label and number of captions in one split (two small columns read)."""
+    table = pq.read_table(split_files(root, split), columns=["label", "captions"])
+    return (table.column("label").to_numpy(zero_copy_only=False),
+            pc.list_value_length(table.column("captions")).fill_null(0).to_numpy(zero_copy_only=False))
 
 
 # --------------------------------------------------------------------------- image hygiene
@@ -326,10 +335,8 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     import ray
 
     try:
-        listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split,
-                                      image_key=cfg.csv_image_key, caption_key=cfg.csv_caption_key,
-                                      separator=cfg.csv_separator) if cfg.format == "csv" else \
-            sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split)
+        options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
+        listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split, **options)
     except sources.SourceError as exc:
         raise BuildError(str(exc)) from None
     if not listing.records:

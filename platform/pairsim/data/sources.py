@@ -5,6 +5,9 @@ Each ``list_*`` function turns its input into a :class:`Listing`: one :class:`Re
 (where its bytes are, its captions, the split) in input order, and the :class:`Reject`\\ s found
 on the way (bad lines, empty captions, duplicate ids). Nothing here opens an image; the shard
 builder (:mod:`pairsim.data.shards`) does that in Ray Data tasks.
+
+Each format is a :class:`DataFormat` registered in :data:`pairsim.registry.DATA_FORMATS` under
+the name ``--format`` / ``BuildConfig.format`` use; :func:`list_source` dispatches through it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import json
 import os
 import tarfile
 import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-FORMATS = ("karpathy", "csv", "webdataset", "folder")
+from pairsim.registry import DATA_FORMATS
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 
 
@@ -309,18 +313,45 @@ def _json_caption(raw: bytes) -> str | None:
     return caption if isinstance(caption, str) else None
 
 
-def list_source(fmt: str, path: Path, images_root: Path | None, split: str, **csv_options: str) -> Listing:
-    """Dispatch on ``fmt`` (one of :data:`FORMATS`)."""
+@dataclass(frozen=True)
+class DataFormat:
+    """A source format: ``lister(path, images_root, split, **options)`` → :class:`Listing`.
+
+    ``options``: the ``BuildConfig`` fields that belong to this format → the lister's keyword
+    (another format refuses them when set); ``description``: one line for help and docs.
+    """
+
+    lister: Callable[..., Listing]
+    description: str
+    options: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "__doc__", self.description)  # what the registry's tables show
+
+    def list(self, path: Path, images_root: Path, split: str, **options: str) -> Listing:
+        return self.lister(path, images_root, split, **options)
+
+
+DATA_FORMATS.register("karpathy")(DataFormat(
+    lambda path, root, split: list_karpathy(path, root),
+    "Karpathy split file (dataset_coco.json / dataset_flickr30k.json); splits from the file"))
+DATA_FORMATS.register("csv")(DataFormat(
+    list_csv, "open_clip CSV, a header then one caption per line",
+    {"csv_image_key": "image_key", "csv_caption_key": "caption_key", "csv_separator": "separator"}))
+DATA_FORMATS.register("webdataset")(DataFormat(
+    lambda path, root, split: list_webdataset(path, split),
+    "img2dataset WebDataset, a .tar or a directory of .tar files"))
+DATA_FORMATS.register("folder")(DataFormat(
+    list_folder, "image folder with a JSONL of {file, caption(s)}"))
+
+
+def list_source(fmt: str, path: Path, images_root: Path | None, split: str, **options: str) -> Listing:
+    """Dispatch on ``fmt`` (a name registered in :data:`pairsim.registry.DATA_FORMATS`);
+    ``options``: the format's own lister keywords (e.g. csv's ``image_key``)."""
+    if fmt not in DATA_FORMATS:
+        raise SourceError(f"--format {fmt!r}: expected one of {', '.join(DATA_FORMATS.names())}")
     path = Path(path)
     if not path.exists():
         raise SourceError(f"--input {path}: no such file or directory")
     root = Path(images_root) if images_root is not None else (path if path.is_dir() else path.parent)
-    if fmt == "karpathy":
-        return list_karpathy(path, root)
-    if fmt == "csv":
-        return list_csv(path, root, split, **csv_options)
-    if fmt == "webdataset":
-        return list_webdataset(path, split)
-    if fmt == "folder":
-        return list_folder(path, root, split)
-    raise SourceError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    return DATA_FORMATS[fmt].list(path, root, split, **options)

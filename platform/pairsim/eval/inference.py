@@ -5,8 +5,6 @@ workers' validation too) and Ray Data batch inference over a whole split
 from __future__ import annotations
 
 import uuid
-from typing import Any
-
 import numpy as np
 import ray
 import torch
@@ -25,10 +23,10 @@ class EmbedBatches:
     """Ray Data actor: a model embedding decoded images (``pixels``) or tokenized captions
     (``tokens``), returning the ids that go with them and every embedding the model gives."""
 
-    def __init__(self, model: torch.nn.Module, model_cfg: dict[str, Any], use_gpu: bool):
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, use_gpu: bool):
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model = model.to(self.device).eval()
-        self.normalize = clip.PixelNormalizer(ModelConfig.model_validate(model_cfg))
+        self.normalize = clip.PixelNormalizer(model_cfg)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
@@ -55,7 +53,7 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str) -> Sp
     anywhere on the cluster, collected on the driver."""
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
-    embed = dict(fn_constructor_args=(model, cfg.model.model_dump(mode="json"), cfg.train.use_gpu),
+    embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
                  num_gpus=1 if cfg.train.use_gpu else 0)
     try:

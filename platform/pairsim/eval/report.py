@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from pairsim.eval.metrics import Metrics
-from pairsim.eval.suite import GRID_KS, MODALITIES, EvalReport, SplitEmbeddings
+from pairsim.eval.suite import GRID_KS, MODALITIES, EvalReport, SplitEmbeddings, directions, grid_metric_name
+
 
 def grid_heatmap(grid: dict[int, np.ndarray], path: str | Path, title: str = "") -> Path:
     """The modality grid as one annotated 3×3 heatmap per k (PNG)."""
@@ -82,21 +83,23 @@ def log_report(logger, report: EvalReport, emb: SplitEmbeddings, read_rows, spli
                      "grid": {f"R@{k}": v.tolist() for k, v in report.grid.items()}, "grid_axes": MODALITIES},
                     f"eval/{split}.json")
     with tempfile.TemporaryDirectory() as tmp:
-        logger.log_artifact(grid_heatmap(report.grid, Path(tmp) / f"{split}_modality_grid.png", title), "eval")
+        if report.grid:  # none when no image of the split has two captions
+            logger.log_artifact(grid_heatmap(report.grid, Path(tmp) / f"{split}_modality_grid.png", title), "eval")
         logger.log_artifact(retrieval_gallery(emb, read_rows, Path(tmp) / f"{split}_gallery.png"), "eval")
 
 
 def format_report(metrics: Metrics, ks: Sequence[int] = (1, 5, 10)) -> str:
-    """The report as a table: one row per direction, then RSUM and the modality grid's R@1."""
+    """The report as a table: one row per registered direction the metrics have
+    (:func:`pairsim.eval.suite.directions`), then RSUM and the modality grid's R@1."""
     columns = [f"R@{k}" for k in ks] + ["mAP@R", "R-P", "median_rank"]
     lines = [f"{'direction':<14}" + "".join(f"{c:>12}" for c in columns)]
-    for direction, label in (("i2t", "image→text"), ("t2i", "text→image"), ("i2i", "image→image"),
-                             ("t2t", "text→text")):
+    for direction, label in directions().items():
         if f"{direction}_R@{ks[0]}" in metrics:
             lines.append(f"{label:<14}" + "".join(f"{metrics[f'{direction}_{c}']:12.2f}" for c in columns))
     lines.append(f"{'RSUM':<14}{metrics['rsum']:12.2f}")
-    if f"grid_image2image_R@{GRID_KS[0]}" in metrics:
-        lines += ["", f"modality grid R@{GRID_KS[0]} (rows: queries)", f"{'':<14}" + "".join(f"{m:>12}" for m in MODALITIES)]
+    k = GRID_KS[0]
+    if grid_metric_name(MODALITIES[0], MODALITIES[0], k) in metrics:
+        lines += ["", f"modality grid R@{k} (rows: queries)", f"{'':<14}" + "".join(f"{m:>12}" for m in MODALITIES)]
         for q in MODALITIES:
-            lines.append(f"{q:<14}" + "".join(f"{metrics[f'grid_{q}2{key}_R@{GRID_KS[0]}']:12.2f}" for key in MODALITIES))
+            lines.append(f"{q:<14}" + "".join(f"{metrics[grid_metric_name(q, key, k)]:12.2f}" for key in MODALITIES))
     return "\n".join(lines)

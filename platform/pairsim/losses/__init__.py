@@ -3,17 +3,20 @@ the global batch that own their temperatures and compose into one objective (:mo
 
 from pairsim.losses import functional
 from pairsim.losses.modules import (
+    BaseLoss,
     BatchLoss,
     CUSALoss,
     GCLLoss,
     ImageTextLoss,
     InfoNCE,
     Objective,
+    Structure,
     Temperature,
     TripletHN,
     Unified,
+    build_base,
     build_objective,
 )
 
-__all__ = ["functional", "BatchLoss", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE", "Objective",
-           "Temperature", "TripletHN", "Unified", "build_objective"]
+__all__ = ["functional", "BaseLoss", "BatchLoss", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE", "Objective",
+           "Structure", "Temperature", "TripletHN", "Unified", "build_base", "build_objective"]

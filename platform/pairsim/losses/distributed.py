@@ -1,4 +1,4 @@
-"""The one place where loss inputs cross workers.
+"""The one place where loss inputs cross workers (with :func:`pairsim.dist.all_gather`).
 
 As open_clip's ``ClipLoss`` with ``gather_with_grad``: every feature is all-gathered with
 autograd, so the backward reduce-scatters (sums) each slice's gradient to the worker that
@@ -13,42 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-
-class _AllGather(torch.autograd.Function):
-    """All-gather along dim 0 with synchronous c10d calls. The backward all-reduces the
-    gradient of the gathered tensor (every worker's loss reads every slice) and keeps this
-    worker's slice — what ``torch.distributed.nn.all_gather`` did on gloo before torch 2.15
-    deprecated it. (Its suggested replacement, the functional collectives, keeps async work
-    handles in a process-wide registry; under Ray Train, whose training function runs in a
-    thread beside Ray Data's prefetch threads, 3 of 8 multi-epoch runs with them aborted on
-    heap corruption, and none has since.)"""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.rank, ctx.rows = dist.get_rank(), x.shape[0]
-        out = x.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous())
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows]
-
-
-def all_gather(x: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Every worker's ``x`` concatenated along dim 0 in rank order; differentiable when ``x``
-    requires grad."""
-    if world_size == 1:
-        return x
-    if x.requires_grad:
-        return _AllGather.apply(x)
-    out = x.new_empty((world_size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous())
-    return out
+from pairsim import dist
 
 
 @dataclass
@@ -80,6 +46,6 @@ def gather_batch(features: dict[str, torch.Tensor | None], *, local_loss: bool, 
                  world_size: int) -> GlobalBatch:
     """Gather every (non-None) input once. All workers must pass the same names and batch size."""
     local = {k: v for k, v in features.items() if v is not None}
-    columns = {k: all_gather(v, world_size) for k, v in local.items()}
+    columns = {k: dist.all_gather(v) if world_size > 1 else v for k, v in local.items()}
     size = next(iter(local.values())).shape[0]
     return GlobalBatch(local, columns, local_loss, rank * size if local_loss else 0)

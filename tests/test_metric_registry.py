@@ -1,0 +1,175 @@
+"""The registries of the evaluation's metrics, the shard build's source formats and the fusions:
+what config, the driver, the CLI and the report accept is what is registered, nothing else."""
+
+import argparse
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from pairsim.cli import add_shards_parser
+from pairsim.config import BuildConfig, ConfigError, load_config
+from pairsim.data import shards, sources
+from pairsim.eval import suite
+from pairsim.eval.report import format_report
+from pairsim.models.fusion import ScoreSumFusion
+from pairsim.registry import DATA_FORMATS, FUSIONS, METRICS
+from pairsim.train import driver
+from test_evaluate import tiny_split
+
+KS = (1, 5, 10)
+SELECTABLE = suite.selectable_metrics(KS)
+
+
+# --------------------------------------------------------------------------- metrics
+
+def test_the_suite_registers_its_families_and_one_list_of_names():
+    assert METRICS.names() == ["crossmodal", "unimodal", "grid"]
+    names = suite.metric_names(KS)
+    assert {n: m for n, m in names.items() if m} == SELECTABLE
+    assert {n for n, m in names.items() if m is None} == {
+        f"{d}_n_queries_without_positive" for d in ("i2t", "t2i", "t2t", "i2i")}
+    assert len(SELECTABLE) == 4 * (len(KS) + 3) + 1 + 2 * 9
+    assert suite.directions() == {"i2t": "image→text", "t2i": "text→image", "i2i": "image→image",
+                                  "t2t": "text→text"}
+
+
+@pytest.mark.parametrize("metric", sorted(SELECTABLE))
+def test_select_metric_accepts_every_name_the_registry_lists(metric):
+    cfg = load_config(None, [f"eval.select_metric={metric}"])
+    assert cfg.eval.select_mode == SELECTABLE[metric]
+    assert cfg.eval.select_mode == ("min" if metric.endswith("median_rank") else "max")
+
+
+@pytest.mark.parametrize("metric", ["rsum ", "R@1", "i2t_R@2", "i2t_R@100", "t2i_n_queries_without_positive",
+                                    "grid_text2fused_R@10", "grid_text2audio_R@1", "i2a_R@1", "val/t2i_R@1",
+                                    "crossmodal", "", "i2i_mAP@R@1"])
+def test_select_metric_refuses_what_no_family_reports(metric):
+    with pytest.raises(ConfigError, match="eval: Value error, select_metric"):
+        load_config(None, [f"eval.select_metric='{metric}'"])
+
+
+def test_select_metric_follows_ks():
+    assert load_config(None, ["eval.ks=[3]", "eval.select_metric=t2t_R@3"]).eval.select_mode == "max"
+    with pytest.raises(ConfigError, match="select_metric.*for ks \\[3\\]"):
+        load_config(None, ["eval.ks=[3]", "eval.select_metric=t2t_R@1"])
+    assert set(suite.selectable_metrics((3,))) - set(SELECTABLE) == {f"{d}_R@3" for d in ("i2t", "t2i", "t2t", "i2i")}
+
+
+@pytest.mark.parametrize("labels,facts", [([0, 0, 1], suite.DataFacts(True, True)),
+                                          ([-1, -1, -1], suite.DataFacts(False, True))])
+def test_evaluate_split_reports_exactly_the_registered_names_for_its_data(labels, facts):
+    split = tiny_split()
+    split.labels = np.array(labels)
+    assert suite.DataFacts.of(split) == facts
+    report = suite.evaluate_split(split, ScoreSumFusion(), ks=(1, 5))
+    assert list(report.metrics) == list(suite.metric_names((1, 5), facts))
+    assert any(n.startswith("i2i_") for n in report.metrics) == facts.has_labels
+    assert sorted(report.grid) == list(suite.GRID_KS)
+    table = format_report(report.metrics, ks=(1, 5))
+    assert ("image→image" in table) == facts.has_labels and "text→text" in table and "modality grid" in table
+
+
+def test_a_split_without_multi_caption_images_reports_no_text2text_or_grid():
+    split = tiny_split()
+    keep = [1, 2, 4]  # one caption each for a, b and c
+    split.text, split.text_image_ids, split.caption_index = split.text[keep], split.text_image_ids[keep], \
+        split.caption_index[keep]
+    facts = suite.DataFacts.of(split)
+    assert facts == suite.DataFacts(has_labels=True, has_multi_caption=False)
+    report = suite.evaluate_split(split, ScoreSumFusion(), ks=(1,))
+    assert list(report.metrics) == list(suite.metric_names((1,), facts))
+    assert not any(n.startswith(("t2t_", "grid_")) for n in report.metrics) and report.grid == {}
+    assert "modality grid" not in format_report(report.metrics, ks=(1,))
+
+
+def _copy_without_labels(src, dst, split):
+    shutil.copytree(src, dst)
+    for path in (dst / split).glob("*.parquet"):
+        table = pq.read_table(path)
+        labels = pa.array(np.full(table.num_rows, -1, dtype=np.int32))
+        pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", labels), path)
+    return dst
+
+
+def _single_caption_copy(src, dst, split):
+    shutil.copytree(src, dst)
+    for path in (dst / split).glob("*.parquet"):
+        table = pq.read_table(path)
+        first = pc.list_slice(table.column("captions"), 0, 1)
+        pq.write_table(table.set_column(table.schema.get_field_index("captions"), "captions",
+                                        first.cast(table.schema.field("captions").type)), path)
+    return dst
+
+
+def _check(path, metric):
+    driver.check_ready(load_config(None, [f"data.path={path}", f"eval.select_metric={metric}"]))
+
+
+def test_check_ready_refuses_a_metric_the_val_data_cannot_give(tiny_dataset, tmp_path):
+    labels, captions = shards.label_and_caption_counts(tiny_dataset, "val")
+    assert (labels >= 0).all() and (captions == 5).all()
+    for metric in ("i2i_R@1", "grid_text2fused_R@1", "t2t_median_rank", "rsum"):
+        _check(tiny_dataset, metric)
+    unlabelled = _copy_without_labels(tiny_dataset, tmp_path / "unlabelled", "val")
+    with pytest.raises(ConfigError, match=r"eval.select_metric: the val split .*no class labels.* gives no "
+                                          r"'i2i_R@1'; it gives .*t2t_R@1"):
+        _check(unlabelled, "i2i_R@1")
+    _check(unlabelled, "t2t_R@1")
+    single = _single_caption_copy(tiny_dataset, tmp_path / "single", "val")
+    for metric in ("grid_text2fused_R@1", "t2t_R@1"):
+        with pytest.raises(ConfigError, match=f"eval.select_metric: .*no image with two captions.*{metric}"):
+            _check(single, metric)
+    _check(single, "i2i_R@5")
+
+
+# --------------------------------------------------------------------------- data formats
+
+def _format_choices() -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_shards_parser(parser.add_subparsers())
+    build = parser._subparsers._group_actions[0].choices["shards"]._subparsers._group_actions[0].choices["build"]
+    return next(a for a in build._actions if a.dest == "format").choices
+
+
+def test_the_cli_offers_exactly_the_registered_formats():
+    assert DATA_FORMATS.names() == ["karpathy", "csv", "webdataset", "folder"]
+    assert list(_format_choices()) == DATA_FORMATS.names()
+    assert not hasattr(sources, "FORMATS")
+    assert all(isinstance(fmt, sources.DataFormat) and fmt.description for _, fmt in DATA_FORMATS.items())
+
+
+def test_a_bad_format_is_named_with_the_registered_ones(tmp_path):
+    with pytest.raises(ConfigError, match="format: not a registered name.*karpathy, csv, webdataset, folder"):
+        BuildConfig.from_args(format="tsv", input=tmp_path, out=tmp_path)
+    with pytest.raises(sources.SourceError, match="--format 'tsv': expected one of karpathy, csv"):
+        sources.list_source("tsv", tmp_path, None, "train")
+
+
+@pytest.mark.parametrize("fmt", ["karpathy", "webdataset", "folder"])
+@pytest.mark.parametrize("option", ["csv_image_key", "csv_caption_key", "csv_separator"])
+def test_csv_options_are_refused_with_another_format(tmp_path, fmt, option):
+    with pytest.raises(ConfigError, match=f"{option}: only for format csv, not '{fmt}'"):
+        BuildConfig.from_args(format=fmt, input=tmp_path, out=tmp_path, **{option: ","})
+    cfg = BuildConfig.from_args(format="csv", input=tmp_path, out=tmp_path, **{option: ","})
+    assert getattr(cfg, option) == ","
+    assert BuildConfig(format=fmt, input=tmp_path, out=tmp_path).csv_separator == "\t"  # defaults are not "set"
+
+
+def test_list_source_passes_a_formats_own_options(tmp_path):
+    (tmp_path / "list.csv").write_text("path;text\na.jpg;hello\na.jpg;again\nb.jpg;bye\n")
+    listing = sources.list_source("csv", tmp_path / "list.csv", None, "val", image_key="path", caption_key="text",
+                                  separator=";")
+    assert [(r.image_id, r.captions, r.split) for r in listing.records] == [
+        ("a.jpg", ["hello", "again"], "val"), ("b.jpg", ["bye"], "val")]
+
+
+# --------------------------------------------------------------------------- fusions
+
+def test_model_fusion_is_a_registered_name():
+    assert load_config(None, ["model.fusion=score_sum"]).model.fusion in FUSIONS
+    with pytest.raises(ConfigError, match="model.fusion: not a registered name.*score_sum"):
+        load_config(None, ["model.fusion=concat"])

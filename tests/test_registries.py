@@ -1,0 +1,84 @@
+"""A base loss registered from outside the package (tests/toy_loss.py) is configured, validated,
+logged and trained exactly like the built-in ones: its own parameter, refused parameters of
+other losses, flat MLflow params, and an end-to-end run on the Ray workers."""
+
+import math
+
+import pytest
+import torch
+import yaml
+
+import toy_loss
+from pairsim.cli import DEMO_CONFIG, main
+from pairsim.config import ConfigError, RunConfig, load_config
+from pairsim.losses import ImageTextLoss, build_objective
+from pairsim.registry import BASE_LOSSES
+
+
+def test_toy_loss_validates_by_name_with_its_own_param():
+    assert "cos_hinge" in BASE_LOSSES.names() and BASE_LOSSES["cos_hinge"] is toy_loss.CosineHinge
+    cfg = load_config(None, ["loss.base=cos_hinge", "loss.cos_margin=0.4"])
+    assert cfg.loss.base_params == toy_loss.CosineHinge.Params(cos_margin=0.4)
+    flat = cfg.flat()
+    assert flat["loss.base"] == "cos_hinge" and flat["loss.cos_margin"] == 0.4
+    assert "loss.margin" not in flat and "loss.gamma" not in flat
+    assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
+    # demo.yaml's unified margin and gamma give way to the loss that replaces unified
+    assert load_config(DEMO_CONFIG, ["loss.base=cos_hinge"]).loss.base_params.cos_margin == 0.3
+
+
+def test_toy_loss_builds_and_matches_its_formula():
+    objective = build_objective(load_config(None, ["loss.base=cos_hinge", "loss.cos_margin=0.5"]).loss)
+    assert isinstance(objective.structure, ImageTextLoss)
+    assert isinstance(objective.structure.base, toy_loss.CosineHinge)
+    g = torch.Generator().manual_seed(0)
+    image, text = (torch.nn.functional.normalize(torch.randn(6, 8, generator=g, dtype=torch.float64), dim=-1)
+                   for _ in range(2))
+    out = objective(image=image, text=text)
+    s = (image @ text.T).tolist()
+    expected = 0.0
+    for rows in (s, [list(c) for c in zip(*s)]):  # image→text, text→image
+        expected += sum(sum(max(rows[i][j] - rows[i][i] + 0.5, 0.0) for j in range(6) if j != i) / 5
+                        for i in range(6)) / 6
+    assert out["loss/base"].item() == pytest.approx(expected, rel=1e-12)
+    assert not any(k.startswith("temperature/") for k in out)
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["loss.base=cos_hinge", "loss.gamma=10"], ["loss.gamma", "cos_hinge", "cos_margin"]),
+    (["loss.base=cos_hinge", "loss.margin=0.1"], ["loss.margin", "cos_hinge"]),
+    (["loss.base=unified", "loss.cos_margin=0.1"], ["loss.cos_margin", "unified", "'cos_hinge'"]),
+    (["loss.base=cos_hinge", "loss.cos_margin=3"], ["loss.cos_margin"]),
+])
+def test_train_refuses_a_param_of_another_loss(tmp_path, capsys, overrides, names):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"train": {"epochs": 1}}))
+    assert main(["train", "--config", str(path), *(a for o in overrides for a in ("--set", o))]) == 2
+    err = capsys.readouterr().err
+    lines = [line.strip() for line in err.splitlines() if line.strip().startswith(names[0] + ":")]
+    assert len(lines) == 1 and all(n in lines[0] for n in names), err
+
+
+def test_unknown_base_lists_the_registered_ones_with_the_toy():
+    with pytest.raises(ConfigError, match=r"loss\.base: not a registered name \(registered: .*cos_hinge"):
+        load_config(None, ["loss.base=cos_hinges"])
+
+
+@pytest.mark.slow
+def test_toy_loss_trains_on_the_ray_workers(ray_instance, tiny_dataset, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pairsim.train import driver
+
+    cfg = load_config(DEMO_CONFIG, [
+        f"data.path={tiny_dataset}", "loss.base=cos_hinge", "loss.cos_margin=0.2", "train.num_workers=2",
+        "train.micro_batch_size=16", "train.epochs=1", "train.log_every_n_steps=1", "optim.warmup_steps=2",
+        "eval.batch_size=64", "data.test_split=null", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"ray.storage_path={tmp_path}/ray"])
+    result = driver.fit(cfg)
+    client = MlflowClient(result.tracking_uri)
+    base = [m.value for m in client.get_metric_history(result.mlflow_run_id, "loss/base")]
+    assert base and all(math.isfinite(v) for v in base), base
+    params = client.get_run(result.mlflow_run_id).data.params
+    assert params["loss.base"] == "cos_hinge" and float(params["loss.cos_margin"]) == 0.2
+    assert "loss.margin" not in params

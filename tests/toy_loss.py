@@ -1,0 +1,35 @@
+"""A base loss registered from outside the package, as a plugin would: a cosine-margin hinge.
+
+A module of its own (not a test module) so that Ray workers, which have tests/ on their path,
+import it when they unpickle a config naming it — and the import registers it there too."""
+
+import torch
+from pydantic import Field
+
+from pairsim.config import Float, Section
+from pairsim.losses import BaseLoss
+from pairsim.registry import BASE_LOSSES
+
+
+@BASE_LOSSES.register("cos_hinge")
+class CosineHinge(BaseLoss):
+    """Per anchor: the mean over its negatives of [s_neg − s_pos + m]_+ (a triplet loss over
+    every negative rather than the hardest)."""
+
+    anchors_only = True
+
+    class Params(Section):
+        cos_margin: Float = Field(0.3, ge=0.0, le=2.0, description="margin m of the hinge")
+
+    def __init__(self, cos_margin: float = 0.3):
+        super().__init__()
+        self.cos_margin = cos_margin
+
+    def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
+        # anchors_only: targets are one column index per row
+        positive = sim.gather(1, targets[:, None])
+        negatives = torch.ones_like(sim, dtype=torch.bool).scatter_(1, targets[:, None], False)
+        if ignore is not None:
+            negatives &= ~ignore
+        hinge = (sim - positive + self.cos_margin).clamp(min=0) * negatives
+        return hinge.sum(1) / negatives.sum(1).clamp(min=1)
