@@ -28,7 +28,7 @@ def test_one_process_needs_no_process_group():
 def _worker(rank, port, out):
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     seen = []  # (collective, device) of every tensor pairsim hands to torch.distributed
-    real = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_gather_into_tensor")}
+    real = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_gather_single")}
 
     def spy(name):
         def call(*args, **kwargs):
@@ -84,5 +84,5 @@ def test_every_collective_tensor_is_on_the_backends_device(two_ranks):
     for r in two_ranks.values():
         assert r["device"] == "cpu"
         names = [name for name, _ in r["seen"]]
-        assert names.count("all_gather_into_tensor") == 1 and names.count("all_reduce") == 4
+        assert names.count("all_gather_single") == 1 and names.count("all_reduce") == 4
         assert {device for _, device in r["seen"]} == {r["device"]}

@@ -53,8 +53,8 @@ def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_datas
 
     ledger = ingest.skip_ledger("teacher-test-ledger")
     live = encoders.build_teachers(cfg)
-    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
-    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger").take_batch(1000, batch_format="numpy")  # the whole split
+    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger", *store.teacher_sources(cfg)).take_batch(1000, batch_format="numpy")  # the whole split
+    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger", *store.teacher_sources(disk_cfg)).take_batch(1000, batch_format="numpy")  # the whole split
     ray.kill(ledger)
     # the live pipeline ships teacher inputs, the disk pipeline extracted embeddings; caption draws
     # differ between the two, so compare on the disk batch's own (image, caption) picks

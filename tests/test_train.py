@@ -164,13 +164,13 @@ def engine_embeddings(config):
     card = engine.checkpoint_card(config["checkpoint"])
     model = retrieval.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
     module = engine.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=engine.parameter_groups(module, 0.1),
-                                      config=engine.deepspeed_config(cfg, 10))
-    engine.load_checkpoint(config["checkpoint"], tag=engine.CHECKPOINT_TAG)
-    engine.eval()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
+    ds_engine, *_ = deepspeed.initialize(model=module, model_parameters=engine.parameter_groups(module, 0.1),
+                                         config=engine.deepspeed_config(cfg.train, cfg.optim, 10))
+    ds_engine.load_checkpoint(config["checkpoint"], tag=engine.CHECKPOINT_TAG)
+    ds_engine.eval()
+    dtype = engine.DTYPES[cfg.train.precision]
     with torch.no_grad():
-        out = engine(image=config["pixels"].to(dtype), text=config["tokens"])
+        out = ds_engine(image=config["pixels"].to(dtype), text=config["tokens"])
     with deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=cfg.train.zero_stage == 3):
         weights = {k: v.float().numpy().copy() for k, v in module.model.state_dict().items()}
     return {k: v.float().numpy() for k, v in out.items()}, weights
@@ -242,10 +242,10 @@ def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_datas
     for key, value in card["val"].items():
         if key.startswith("val/") and not key.endswith("median_rank"):
             # the engine's value in training and the standalone one, logged at the same step
-            engine, standalone = [v for step, v in history(client, resumed.mlflow_run_id, metric_key(key))
+            in_training, standalone = [v for step, v in history(client, resumed.mlflow_run_id, metric_key(key))
                                   if step == card["step"]]
             # another summation order may flip a near-tie: at most one of the 48 images' ranks
-            assert engine == value and standalone == pytest.approx(value, abs=100 / 48 + 1e-9), key
+            assert in_training == value and standalone == pytest.approx(value, abs=100 / 48 + 1e-9), key
     assert main(args + ["--split", "test"]) == 0
     test_rsum = [v for _, v in history(client, resumed.mlflow_run_id, "test/rsum")]
     # both attempts' end-of-run evaluations and this one; the last attempt's best checkpoint is this one

@@ -63,7 +63,7 @@ def barrier() -> None:
 class _AllGather(torch.autograd.Function):
     """All-gather along dim 0 with synchronous c10d calls. The backward all-reduces the
     gradient of the gathered tensor (every worker's loss reads every slice) and keeps this
-    worker's slice — what ``torch.distributed.nn.all_gather`` did on gloo before torch 2.15
+    worker's slice — what ``torch.distributed.nn.all_gather`` did on gloo before torch
     deprecated it. (Its suggested replacement, the functional collectives, keeps async work
     handles in a process-wide registry; under Ray Train, whose training function runs in a
     thread beside Ray Data's prefetch threads, 3 of 8 multi-epoch runs with them aborted on
@@ -83,7 +83,7 @@ class _AllGather(torch.autograd.Function):
 def _gathered(x: torch.Tensor) -> torch.Tensor:
     work = x.contiguous().to(collective_device())
     out = work.new_empty((dist.get_world_size() * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, work)
+    dist.all_gather_single(out, work)  # all_gather_into_tensor's successor
     return out.to(x.device)
 
 

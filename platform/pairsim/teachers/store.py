@@ -25,6 +25,17 @@ log = get_logger("teachers")
 STORE_MANIFEST = "teacher_manifest.json"
 
 
+def teacher_sources(cfg: RunConfig) -> tuple[dict[str, Teacher], TeacherStore | None]:
+    """Where a run's CUSA teacher embeddings come from: the live teachers by modality, or the
+    features extracted to ``loss.cusa.teacher_features``; ({}, None) without CUSA."""
+    cusa = cfg.loss.cusa
+    if cusa is None:
+        return {}, None
+    if cusa.teacher_features:
+        return {}, TeacherStore(cusa.teacher_features)
+    return build_teachers(cfg), None
+
+
 def _store_file(store: Path, shard_path: str) -> Path:
     shard = Path(shard_path)
     return Path(store) / shard.parent.name / shard.name

@@ -29,7 +29,7 @@ from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
-from pairsim.teachers.store import TeacherStore
+from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import engine
 from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
 
@@ -158,11 +158,8 @@ def fit(cfg: RunConfig) -> TrainResult:
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
-    cusa = cfg.loss.cusa
-    store = TeacherStore(cusa.teacher_features) if cusa and cusa.teacher_features else None
-    live_teachers = teachers.build_teachers(cfg) if cusa and store is None else {}
     datasets = {
-        "train": ingest.train_dataset(cfg, ledger_name, live_teachers, store),
+        "train": ingest.train_dataset(cfg, ledger_name, *teacher_sources(cfg)),
         "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name),
         "val_texts": ingest.eval_texts(cfg, cfg.data.val_split),
     }

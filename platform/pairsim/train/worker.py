@@ -20,7 +20,8 @@ from pairsim.config import RunConfig
 from pairsim.data import ingest
 from pairsim.eval import inference, suite
 from pairsim.models import clip, retrieval
-from pairsim.teachers.encoders import MODALITIES, Teacher, build_teachers
+from pairsim.teachers.encoders import MODALITIES, Teacher
+from pairsim.teachers.store import teacher_sources
 from pairsim.tracking import RunLogger
 from pairsim.train import engine as engines
 
@@ -147,7 +148,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
 
     engine = engines.create_engine(cfg, job.deepspeed_config)
     dtype = engines.DTYPES[cfg.train.precision]
-    live_teachers = build_teachers(cfg) if cfg.loss.cusa and not cfg.loss.cusa.teacher_features else {}
+    live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
     start_epoch, step = engines.restore(engine)
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
