@@ -1,3 +1,4 @@
+import os
 import socket
 import subprocess
 import sys
@@ -27,15 +28,37 @@ def unused_port() -> int:
     return unused_ports(1)[0]
 
 
-@pytest.fixture
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on, for a test's own process group or server."""
-    return unused_port()
+def _gloo_rank(rank, world, port, fn, args, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out.put((rank, fn(rank, world, *args)))
+    out.close()
+    out.join_thread()  # the result is in the pipe before os._exit below
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
+    dist.destroy_process_group()
+    # The result is delivered; skip interpreter teardown, where torch sporadically aborts
+    # (std::terminate on a joinable C++ thread: 2 of ~80 spawned ranks under CI load).
+    os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def free_port_module() -> int:
-    return unused_port()
+def on_gloo_ranks(fn, *args, world: int = 2, timeout: float = 300) -> dict:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes joined in one gloo process group
+    on loopback; returns {rank: result} (results must pickle: numpy, not tensors, since a
+    tensor would be shared through a handle of the exiting process)."""
+    import torch.multiprocessing as mp
+
+    port = unused_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(rank, world, port, fn, args, out)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    results = dict(out.get(timeout=timeout) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+        assert proc.exitcode == 0, f"a gloo rank exited with {proc.exitcode}"
+    return results
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,11 @@
 """pairsim.dist: every collective runs on the backend's device, whatever device the caller's
 tensors are on, and the results come back where they came from."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed
-import torch.multiprocessing as mp
 
+from conftest import on_gloo_ranks
 from pairsim import dist
 
 
@@ -25,8 +23,7 @@ def test_one_process_needs_no_process_group():
     assert dist.mean_over_ranks({"a": torch.tensor(2.0)}) == {"a": 2.0}
 
 
-def _worker(rank, port, out):
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _worker(rank, world):
     seen = []  # (collective, device) of every tensor pairsim hands to torch.distributed
     real = {name: getattr(torch.distributed, name) for name in ("all_reduce", "all_gather_single")}
 
@@ -50,25 +47,14 @@ def _worker(rank, port, out):
         "device": str(dist.collective_device()),
         "seen": seen,
     }
-    out.put((rank, result))
-    out.close()
-    out.join_thread()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # see tests/test_ingest.py: torch sporadically aborts in interpreter teardown
+    for name, call in real.items():
+        setattr(torch.distributed, name, call)
+    return result
 
 
 @pytest.fixture(scope="module")
-def two_ranks(free_port_module):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, free_port_module, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    return results
+def two_ranks():
+    return on_gloo_ranks(_worker, timeout=60)
 
 
 def test_collectives_agree_across_ranks(two_ranks):

@@ -1,5 +1,4 @@
 import json
-import os
 import shutil
 
 import numpy as np
@@ -8,39 +7,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from pairsim.data import ingest, shards
+from conftest import on_gloo_ranks
 from pairsim.config import RunConfig
+from pairsim.data import ingest, shards
 
 
-def _equal_steps_worker(rank, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _equal_steps_worker(rank, world):
     mine = [torch.full((2,), i) for i in range(3 if rank == 0 else 5)]  # deliberately uneven
     seen = []
     for batch in ingest.equal_steps(mine):
         dist.all_reduce(batch.clone())  # a collective per step, as training does: would hang if counts differed
         seen.append(int(batch[0]))
-    out.put((rank, seen))
-    out.close()
-    out.join_thread()  # the result is in the pipe before os._exit below
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
-    # The result is delivered; skip interpreter teardown, where torch 2.15 sporadically aborts
-    # (std::terminate on a joinable C++ thread: 2 of ~80 spawned ranks under CI load).
-    os._exit(0)
+    return seen
 
 
-def test_equal_steps_stops_every_rank_with_the_shortest(free_port):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_equal_steps_worker, args=(r, free_port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    assert results == {0: [0, 1, 2], 1: [0, 1, 2]}
+def test_equal_steps_stops_every_rank_with_the_shortest():
+    assert on_gloo_ranks(_equal_steps_worker, timeout=60) == {0: [0, 1, 2], 1: [0, 1, 2]}
 
 
 @pytest.fixture(scope="module")

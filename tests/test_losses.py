@@ -2,14 +2,13 @@
 identities between them, bf16 inputs, and the modules on 2 gloo processes vs 1 process."""
 
 import math
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from conftest import on_gloo_ranks
 from pairsim.config import load_config
 from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Temperature, TripletHN, Unified,
                             build_objective)
@@ -300,8 +299,7 @@ def run_case(name, local_loss, feats, rank=0, world=1):
     return out["loss"].detach(), grads, temps
 
 
-def _distributed_worker(rank, world, port, feats, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _distributed_worker(rank, world, feats):
     results = {}
     for name in MODULES:
         for local_loss in (False, True):
@@ -310,33 +308,15 @@ def _distributed_worker(rank, world, port, feats, out):
             for bucket, t in zip(gathered, (loss, grads, temps)):
                 dist.all_gather(bucket, t)
             # the engine averages losses (for logging) and gradients over ranks
-            # numpy, not tensors: torch would share tensors through handles of this (exiting) process
             results[name, local_loss] = (torch.stack(gathered[0]).mean().numpy(), (torch.cat(gathered[1]) / world).numpy(),
                                          torch.stack(gathered[2]).mean(0).numpy())
-    if rank == 0:
-        out.put(results)
-    out.close()
-    out.join_thread()  # the result is in the pipe before os._exit below
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
-    # The result is delivered; skip interpreter teardown, where torch 2.15 sporadically aborts
-    # (std::terminate on a joinable C++ thread: 2 of ~80 spawned ranks under CI load).
-    os._exit(0)
+    return results
 
 
 @pytest.fixture(scope="module")
-def distributed_results(free_port_module):
+def distributed_results():
     feats = features(B, 80) | {"group_ids": GROUPS}
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_distributed_worker, args=(r, 2, free_port_module, feats, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = out.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return feats, results
+    return feats, on_gloo_ranks(_distributed_worker, feats)[0]
 
 
 @pytest.mark.parametrize("local_loss", [False, True])
