@@ -77,7 +77,12 @@ def ray_instance():
     modules unpickle there."""
     import ray
 
-    ray.init(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}})
+    from pairsim.train.driver import IDLE_WORKERS_KEPT
+
+    # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
+    # decode tasks and a sweep's next trial find warm processes with torch already imported
+    ray.init(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+             _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()
 

@@ -33,3 +33,12 @@ class CosineHinge(BaseLoss):
             negatives &= ~ignore
         hinge = (sim - positive + self.cos_margin).clamp(min=0) * negatives
         return hinge.sum(1) / negatives.sum(1).clamp(min=1)
+
+
+@BASE_LOSSES.register("cos_hinge_unstable")
+class UnstableCosineHinge(CosineHinge):
+    """The hinge, non-finite for margins above 1: a sweep trial whose numerics blow up."""
+
+    def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
+        rows = super().rows(sim, targets, ignore)
+        return rows * float("nan") if self.cos_margin > 1 else rows

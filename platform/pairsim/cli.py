@@ -1,5 +1,5 @@
-"""``pairsim`` command line: ``demo``, ``train``, ``extract-teacher``, ``shards build|inspect``, ``evaluate``,
-``export``, ``registry``, ``data synth``."""
+"""``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect``,
+``evaluate``, ``export``, ``registry``, ``data synth``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from pairsim.registry import DATA_FORMATS
 logger = log.get_logger("cli")
 DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 OBJECTIVES = Path(__file__).parent / "configs" / "objectives"
+DEMO_SWEEP = Path(__file__).parent / "configs" / "demo_sweep.yaml"
+DEMO_SWEEP_SHAPES = {"num_train": 3000, "num_val": 500, "num_test": 0}  # scenes of the demo sweep's dataset
 
 
 def objective_config(name: str) -> Path:
@@ -46,6 +48,34 @@ def _train(cfg: RunConfig) -> None:
         print(format_report(result.test_metrics, cfg.eval.ks))
     _print_run(result.mlflow_run_id, result.tracking_uri)
     print(f"best checkpoint: {result.best_checkpoint_path}\nlatest checkpoint: {result.checkpoint_path}")
+
+
+def _tune(space: Path, overrides: list[str], name: str | None, resume: str | None) -> None:
+    from pairsim.tune.space import load_sweep
+
+    if resume and name and resume != name:
+        raise ConfigError(f"--resume {resume} and --name {name}: give one sweep name")
+    sweep = load_sweep(space, overrides)  # every error in the file, before Ray starts
+    from pairsim.tune import results
+    from pairsim.tune.sweep import run_sweep
+
+    outcome = run_sweep(sweep, resume or name, resume=resume is not None)
+    print(f"\nsweep {outcome.name}: {len(outcome.rows)} trials, ranked by {sweep.metric} ({sweep.mode})")
+    print(results.table_header(sweep))
+    for row in outcome.rows:
+        print(results.format_row(row, sweep))
+    if outcome.best:
+        print(f"\nbest: trial {outcome.best.trial_id}, {sweep.metric} = {outcome.best.metric:.2f}; its config: "
+              f"{outcome.out_dir / 'best.yaml'}\nreproduce it with:  pairsim train --config {outcome.out_dir / 'best.yaml'}")
+    print(f"results.csv and plots in {outcome.out_dir}; resume or extend with:  pairsim tune --space {space} "
+          f"--name {outcome.name}")
+    _print_run(outcome.parent_run_id, outcome.tracking_uri)
+    if outcome.best is None:
+        raise SweepFailed("no trial reported a val metric: every trial failed (errors above and in results.csv)")
+
+
+class SweepFailed(RuntimeError):
+    """A sweep in which no trial reported a metric."""
 
 
 def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> list[Path]:
@@ -102,15 +132,27 @@ def _export(args: argparse.Namespace) -> None:
         print(f"registered as {args.register} version {version} in {tracking_uri}")
 
 
-def _demo(objective: str | None, overrides: list[str]) -> None:
-    cfg = load_config([DEMO_CONFIG] + ([objective_config(objective)] if objective else []), overrides)
+def _ensure_demo_data(path: Path, **sizes: int) -> None:
     from pairsim.data import shards, synth
 
     try:
-        shards.read_manifest(cfg.data.path)
+        shards.read_manifest(path)
     except FileNotFoundError:
-        logger.info("generating the shapes dataset in %s", cfg.data.path)
-        synth.generate(cfg.data.path)
+        logger.info("generating the shapes dataset in %s", path)
+        synth.generate(path, **sizes)
+
+
+def _demo(objective: str | None, overrides: list[str], sweep: bool) -> None:
+    if sweep:
+        if objective:
+            raise ConfigError("--objective: the demo sweep searches the Unified loss; drop --objective or --sweep")
+        from pairsim.tune.space import load_sweep
+
+        _ensure_demo_data(load_sweep(DEMO_SWEEP, overrides).base.data.path, **DEMO_SWEEP_SHAPES)
+        _tune(DEMO_SWEEP, overrides, None, None)
+        return
+    cfg = load_config([DEMO_CONFIG] + ([objective_config(objective)] if objective else []), overrides)
+    _ensure_demo_data(cfg.data.path)
     _train(cfg)
 
 
@@ -193,12 +235,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
     demo.add_argument("--objective", help="layer a shipped objective preset: "
                                            + ", ".join(sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))))
+    demo.add_argument("--sweep", action="store_true", help="instead of one run, a small ASHA sweep over the Unified "
+                                                           "loss's margin and scale (configs/demo_sweep.yaml)")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
 
     train = sub.add_parser("train", help="train from a YAML run config")
     train.add_argument("--config", type=Path, action="append", required=True,
                        help="YAML run config; repeat to layer files left to right")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+    sweep = sub.add_parser("tune", help="a Ray Tune sweep from a search-space file (tune_spaces/*.yaml)")
+    sweep.add_argument("--space", type=Path, required=True, help="sweep file: base config, space, sweep settings")
+    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override: sweep.* and space.* keys change the sweep file (e.g. sweep.num_samples=4), "
+                            "others its base run config (e.g. train.epochs=3)")
+    names = sweep.add_mutually_exclusive_group()
+    names.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
+    names.add_argument("--resume", metavar="NAME", help="continue the sweep NAME after a crash (it must exist)")
 
     extract = sub.add_parser("extract-teacher", help="embed a dataset with the run's CUSA teachers, to train from disk")
     extract.add_argument("--config", type=Path, action="append", required=True,
@@ -246,9 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log.setup(args.log_level)
         if args.command == "demo":
-            _demo(args.objective, args.overrides)
+            _demo(args.objective, args.overrides, args.sweep)
         elif args.command == "train":
             _train(load_config(args.config, args.overrides))
+        elif args.command == "tune":
+            _tune(args.space, args.overrides, args.name, args.resume)
         elif args.command == "extract-teacher":
             _extract_teacher(load_config(args.config, args.overrides), args)
         elif args.command == "shards":
@@ -271,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2
-    except (BuildError, FileNotFoundError) as exc:
+    except (BuildError, FileNotFoundError, SweepFailed) as exc:
         print(f"pairsim: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, Strict, ValidationError,
-                      model_serializer, model_validator)
+                      field_validator, model_serializer, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
 from pairsim.registry import BASE_LOSSES, DATA_FORMATS, FUSIONS, METRICS, STRUCTURES, TEACHERS, Registry
@@ -225,6 +225,13 @@ class CUSAConfig(_Section):
     teacher_features: Path | None = Field(
         None, description="teacher embeddings made by pipelines/extract_teacher.py; None runs the teachers live")
 
+    @field_validator("cross_temperature", "image_temperature", "text_temperature", mode="before")
+    @classmethod
+    def _unimodal_defaults(cls, value: Any) -> Any:
+        """Keys left out of a partly written τ (``--set loss.cusa.cross_temperature.init=0.5``)
+        keep these temperatures' own defaults, not the base loss's."""
+        return _unimodal_temperature().model_dump() | value if isinstance(value, dict) else value
+
     @model_validator(mode="after")
     def _has_teachers(self) -> CUSAConfig:
         if self.teacher_features is None:
@@ -276,6 +283,9 @@ class TrainConfig(_Section):
     num_workers: Int = Field(2, ge=1)
     cpus_per_worker: Float = Field(1.0, gt=0.0)
     use_gpu: Bool = False
+    gpus_per_worker: Float = Field(
+        1.0, gt=0.0, description="GPUs each worker reserves with use_gpu; a fraction lets small runs (sweep "
+                                 "trials) share one GPU")
     epochs: Int = Field(1, ge=1)
     micro_batch_size: Int = Field(64, ge=2, description="rows per worker per step")
     zero_stage: Int = Field(2, ge=0, le=3)
@@ -436,6 +446,19 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    """``tree[a][b][c] = value`` for ``key`` ``a.b.c``, making sections on the way; raises
+    ValueError naming the prefix that is a value, not a section."""
+    parts = key.split(".")
+    node = tree
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{'.'.join(parts[: depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists."""
     errors = []
@@ -444,16 +467,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key.strip():
             errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.margin=0.3")
             continue
-        parts = key.strip().split(".")
-        node = tree
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                errors.append(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
-                break
-            node = child
-        else:
-            node[parts[-1]] = _yaml_load(raw) if raw.strip() else None
+        try:
+            set_dotted(tree, key.strip(), _yaml_load(raw) if raw.strip() else None)
+        except ValueError as exc:
+            errors.append(f"--set {item!r}: {exc}")
     if errors:
         raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
     return tree
@@ -514,7 +531,7 @@ def _drop_replaced_params(tree: Any, overlay: Any, model: type[BaseModel]) -> An
     return tree
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -526,19 +543,29 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return loaded or {}
 
 
+def layer(tree: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    """``overlay`` (a nested config tree) laid on ``tree``: sections merge key by key; where the
+    overlay names another base loss, structure or teacher kind, the parameters earlier layers
+    gave the one it replaces are dropped."""
+    return merge(_drop_replaced_params(tree, overlay, RunConfig), overlay)
+
+
+def validate(tree: dict[str, Any], source: str) -> RunConfig:
+    """``tree`` as a :class:`RunConfig`; :class:`ConfigError` naming every bad key, from ``source``."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
 def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load YAML (one file, several layered left to right, or the defaults when ``path`` is
-    None), apply overrides (the last layer), validate. A layer that names another base loss,
-    structure or teacher kind drops the parameters earlier layers gave the one it replaces.
+    None), apply overrides (the last layer), validate (see :func:`layer`).
 
     Raises :class:`ConfigError` naming every bad or unknown dotted key at once.
     """
     paths = [] if path is None else [Path(p) for p in (path if isinstance(path, list) else [path])]
     tree: dict[str, Any] = {}
-    for layer in [_read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [])]:
-        tree = merge(_drop_replaced_params(tree, layer, RunConfig), layer)
-    source = " + ".join(str(p) for p in paths) or "defaults"
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
+    for overlay in [read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [])]:
+        tree = layer(tree, overlay)
+    return validate(tree, " + ".join(str(p) for p in paths) or "defaults")

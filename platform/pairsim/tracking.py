@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 from pairsim.config import RunConfig
@@ -28,6 +28,8 @@ logger = get_logger("tracking")
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 RUN_NAME_TAG = "pairsim.run_name"
 MODEL_ARTIFACTS = "model"  # where a run's exported model lives among its MLflow artifacts
+PARENT_TAG = "mlflow.parentRunId"  # MLflow's own: the UI nests a sweep's trial runs under it
+SWEEP_TAG = "pairsim.sweep_name"  # on a sweep's parent run
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
@@ -72,17 +74,20 @@ def create_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str
     return run.info.run_id
 
 
-def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: dict[str, Any]) -> str:
+def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: dict[str, Any],
+             parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> str:
     """Create the job's MLflow run, or reopen the one a previous attempt of ``run_name`` made.
 
     Logs the flattened config as params and the resolved config and DeepSpeed config as
     artifacts. On resume, params the earlier attempt logged keep their values (MLflow forbids
-    changing them); the new config file is stored beside the first.
+    changing them); the new config file is stored beside the first. A sweep trial's run is a
+    child of ``parent_run_id`` (MLflow's ``mlflow.parentRunId`` tag) and carries ``tags``.
     """
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = MlflowClient(uri)
     experiment_id = _experiment_id(client, cfg.tracking.experiment, uri)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
+    tags = {RUN_NAME_TAG: run_name} | (tags or {}) | ({PARENT_TAG: parent_run_id} if parent_run_id else {})
     if found:
         run = found[0]
         client.update_run(run.info.run_id, status="RUNNING")
@@ -96,10 +101,10 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
                            "config-attempt%d.yaml has the new ones): %s", run_name, attempt,
                            ", ".join(f"{k}: {run.data.params[k]} -> {flat[k]}" for k in changed))
     else:
-        run = client.create_run(experiment_id, run_name=run_name, tags={RUN_NAME_TAG: run_name})
+        run = client.create_run(experiment_id, run_name=run_name, tags=tags)
         attempt, new_params = 1, cfg.flat()
     run_id = run.info.run_id
-    client.set_tag(run_id, "pairsim.attempts", str(attempt))
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in (tags | {"pairsim.attempts": str(attempt)}).items()])
     client.log_batch(run_id, params=[_param(k, v) for k, v in new_params.items()])
     with tempfile.TemporaryDirectory() as tmp:
         name = "config.yaml" if attempt == 1 else f"config-attempt{attempt}.yaml"
@@ -116,6 +121,37 @@ def _param(key: str, value: Any) -> Param:
 def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:
     MlflowClient(resolve_tracking_uri(tracking_uri)).set_terminated(
         run_id, RunStatus.to_string(RunStatus.FINISHED if succeeded else RunStatus.FAILED))
+
+
+def open_sweep_run(tracking_uri: str, experiment: str, sweep_name: str, params: dict[str, Any],
+                   tags: dict[str, str]) -> tuple[str, bool]:
+    """The parent run of sweep ``sweep_name``: found by its tag when the sweep is resumed (and
+    set RUNNING again), else created with ``params`` and ``tags``. Returns (run id, resumed)."""
+    client = MlflowClient(tracking_uri)
+    experiment_id = _experiment_id(client, experiment, tracking_uri)
+    found = client.search_runs([experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_name}'", max_results=1)
+    if found:
+        client.update_run(found[0].info.run_id, status="RUNNING")
+        return found[0].info.run_id, True
+    run = client.create_run(experiment_id, run_name=sweep_name, tags={SWEEP_TAG: sweep_name} | tags)
+    client.log_batch(run.info.run_id, params=[_param(k, v) for k, v in params.items()])
+    return run.info.run_id, False
+
+
+def child_runs(tracking_uri: str, parent_run_id: str) -> list:
+    """The runs nested under ``parent_run_id`` (a sweep's trials), oldest first."""
+    client = MlflowClient(tracking_uri)
+    parent = client.get_run(parent_run_id)
+    return client.search_runs([parent.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
+                              order_by=["attributes.start_time ASC"], max_results=10_000)
+
+
+def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, str] | None = None) -> None:
+    """End ``run_id`` as ``status`` (FINISHED, FAILED or KILLED), with ``tags``."""
+    client = MlflowClient(tracking_uri)
+    if tags:
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    client.set_terminated(run_id, status)
 
 
 class RunLogger:

@@ -40,9 +40,14 @@ class SkipLedger:
         return dict(self.skipped)
 
 
+# Ray's default placement for a task or actor started from a sweep trial is inside the trial's
+# placement group (Tune captures child tasks), which holds no CPU: these run beside it instead.
+OUTSIDE_CALLERS_GROUP = "DEFAULT"
+
+
 def skip_ledger(name: str):
     """Create (or get) the run's ledger; the driver owns it, Data tasks look it up by name."""
-    return SkipLedger.options(name=name, get_if_exists=True).remote()
+    return SkipLedger.options(name=name, get_if_exists=True, scheduling_strategy=OUTSIDE_CALLERS_GROUP).remote()
 
 
 def open_image(raw: bytes) -> Image.Image:
@@ -262,7 +267,8 @@ def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
     free = ray.cluster_resources().get("CPU", 0.0) - train_cpus
     slots = min(int(min(free, cfg.data.max_cpus or free) // cfg.data.cpus_per_task), 16)
     for _ in range(slots):
-        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task).remote(cfg.model, cfg.data.augment)
+        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task, scheduling_strategy=OUTSIDE_CALLERS_GROUP
+                                     ).remote(cfg.model, cfg.data.augment)
 
 
 def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:

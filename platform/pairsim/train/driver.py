@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -112,9 +113,14 @@ def check_ready(cfg: RunConfig) -> None:
 IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit
 
 
-def init_ray(cfg: RunConfig) -> None:
+def run_cpus(cfg: RunConfig) -> float:
+    """The CPUs one run takes: its training workers' plus ``ray.data_cpus`` for Ray Data."""
+    return cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus
+
+
+def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
     """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
-    a local instance sized workers × CPUs + ``ray.data_cpus``.
+    a local instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
@@ -123,14 +129,15 @@ def init_ray(cfg: RunConfig) -> None:
     killed while the model is validated and every epoch starts cold (~9 s before its first
     batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
     ``RAY_num_workers_soft_limit``."""
+    ray.data.DataContext.get_current().enable_progress_bars = False
     if ray.is_initialized():
         return
     if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=cfg.ray.address)  # None: Ray reads RAY_ADDRESS
+        ray.init(address=cfg.ray.address, log_to_driver=log_to_driver)  # None: Ray reads RAY_ADDRESS
     else:
-        cpus = math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus)
-        ray.init(num_cpus=cpus, _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
-    ray.data.DataContext.get_current().enable_progress_bars = False
+        cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
+        ray.init(num_cpus=cpus, log_to_driver=log_to_driver,
+                 _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
 def check_cpu_budget(cfg: RunConfig) -> None:
@@ -145,7 +152,23 @@ def check_cpu_budget(cfg: RunConfig) -> None:
             "lower them, add CPU nodes, or give a local instance more with ray.data_cpus")
 
 
-def fit(cfg: RunConfig) -> TrainResult:
+@dataclass(frozen=True)
+class SweepTrial:
+    """What makes a run one trial of a Ray Tune sweep (:mod:`pairsim.tune`): its per-epoch
+    metrics go to Tune (``TuneReportCallback``), its MLflow run is a child of the sweep's run
+    (``tags``), worker-group start-up is retried a bounded number of times (a trial that cannot
+    get its workers fails instead of holding the sweep), and nothing is exported or tested:
+    the sweep's ``best.yaml`` reproduces the trial that wins."""
+
+    parent_run_id: str
+    tags: dict[str, str]
+
+
+STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
+
+
+def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
+    started_at = time.time()
     check_ready(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
     per_epoch = steps_per_epoch(cfg)
@@ -154,7 +177,8 @@ def fit(cfg: RunConfig) -> TrainResult:
     init_ray(cfg)
     check_cpu_budget(cfg)
     ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
-    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config)
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config,
+                               parent_run_id=trial and trial.parent_run_id, tags=trial and trial.tags)
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
@@ -163,25 +187,37 @@ def fit(cfg: RunConfig) -> TrainResult:
         "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name),
         "val_texts": ingest.eval_texts(cfg, cfg.data.val_split),
     }
+    worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
+                                                             if cfg.train.use_gpu else {})
+    failure_config = FailureConfig(max_failures=cfg.ray.max_failures)
+    callbacks = []
+    if trial:
+        from ray.tune.integration.ray_train import TuneReportCallback
+
+        failure_config = FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=STARTUP_RETRIES)
+        callbacks = [TuneReportCallback()]
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
-                                            log_level=logging.getLevelName(logger.getEffectiveLevel()))},
+                                            log_level=logging.getLevelName(logger.getEffectiveLevel()),
+                                            started_at=started_at)},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+                                     resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(
             name=run_name, storage_path=str(Path(cfg.ray.storage_path).resolve()),
             checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
                                                checkpoint_score_order=cfg.eval.select_mode),
-            failure_config=FailureConfig(max_failures=cfg.ray.max_failures)),
+            failure_config=failure_config, callbacks=callbacks),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"],
                                   execution_options={"train": ingest.train_execution_options(cfg)}),
     )
     succeeded = False
+    best_path, test_metrics = None, {}
     try:
         result = trainer.fit()
-        best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
+        if trial is None:
+            best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
         succeeded = True
     finally:
         tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)

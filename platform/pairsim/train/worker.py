@@ -40,6 +40,7 @@ class WorkerJob:
     tracking_uri: str
     ledger: str  # name of the run's skipped-image ledger actor
     log_level: str
+    started_at: float  # time.time() when the driver's fit began: perf/startup_s counts from it
 
 
 def selection_metric(cfg: RunConfig) -> str:
@@ -177,6 +178,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             engine.step()
             step += 1
             timer.step_done()
+            if run and epoch_step == 1 and epoch == start_epoch:
+                run.log_metrics({"perf/startup_s": time.time() - job.started_at}, step)
             if step % cfg.train.log_every_n_steps == 0:
                 logged = dist.mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
                 rate = timer.window_rate()

@@ -1,0 +1,102 @@
+"""Benchmark of sweeps: ASHA against FIFO over the same space and seeds, and a trial's start-up
+against a plain run's.
+
+    python pipelines/bench_tune.py [--num-train 2000] [--trials 8] [--epochs 4] [--out bench_out/tune]
+
+On a shapes dataset (generated in OUT/data if absent), a random search over the Unified loss's
+margin and scale (seed 0: both sweeps draw the same points) runs once under FIFO and once under
+ASHA (grace 1 epoch, reduction factor 2), one trial at a time on a local Ray instance; then
+one plain run of the base config on the same instance. Prints each sweep's best val RSUM,
+trial-epochs and wall time, and the start-up of a trial (trial start → its first training step,
+``perf/startup_s``) against the plain run's (``fit`` called → first step, Ray already up).
+
+Targets: ASHA's best within 1 RSUM point of FIFO's with at most half its trial-epochs; a
+trial's start-up at most 1.2× a plain run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pairsim import tracking
+from pairsim.data import shards, synth
+from pairsim.train import driver
+from pairsim.tune.space import load_sweep
+from pairsim.tune.sweep import run_sweep
+
+
+def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str) -> Path:
+    path = out / f"{scheduler}.yaml"
+    path.write_text(yaml.safe_dump({
+        "base": {"config": ["pairsim:demo.yaml"],
+                 "data": {"path": str(data), "test_split": None},
+                 "train": {"epochs": args.epochs, "log_every_n_steps": 50},
+                 "ray": {"storage_path": str(out / "ray")},
+                 "tracking": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "bench_tune"}},
+        "space": {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 100]}},
+        "sweep": {"search": "random", "seed": 0, "num_samples": args.trials, "scheduler": scheduler,
+                  "max_concurrent_trials": 1}
+        | ({"asha": {"grace_period": 1, "reduction_factor": 2}} if scheduler == "asha" else {})}))
+    return path
+
+
+def startup_seconds(tracking_uri: str, run_id: str) -> float:
+    return MlflowClient(tracking_uri).get_metric_history(run_id, "perf/startup_s")[0].value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-train", type=int, default=2000)
+    parser.add_argument("--num-val", type=int, default=300)
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/tune"))
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / f"shapes-{args.num_train}"
+    try:
+        shards.read_manifest(data)
+    except FileNotFoundError:
+        synth.generate(data, num_train=args.num_train, num_val=args.num_val, num_test=0)
+
+    stamp = time.strftime("%H%M%S")
+    rows = {}
+    for scheduler in ("fifo", "asha"):
+        sweep = load_sweep(sweep_file(out, data, args, scheduler))
+        driver.init_ray(sweep.base)
+        started = time.perf_counter()
+        outcome = run_sweep(sweep, f"bench-{scheduler}-{stamp}")
+        wall = time.perf_counter() - started
+        startups = [startup_seconds(outcome.tracking_uri, r.run_id) for r in outcome.rows if r.run_id]
+        rows[scheduler] = (outcome, wall, startups)
+
+    plain_cfg = sweep.base.model_copy(update={"ray": sweep.base.ray.model_copy(update={"run_name": f"bench-plain-{stamp}"})})
+    plain = driver.fit(plain_cfg)
+    plain_startup = startup_seconds(plain.tracking_uri, plain.mlflow_run_id)
+
+    print(f"\nshapes {args.num_train} train / {args.num_val} val, {args.trials} trials of up to {args.epochs} "
+          f"epochs, one at a time, random search seed 0 over loss.margin × loss.gamma\n")
+    print(f"{'sweep':6} {'best val rsum':>14} {'trial-epochs':>13} {'wall s':>8} {'stopped early':>14} "
+          f"{'median start-up s':>18}")
+    for scheduler, (outcome, wall, startups) in rows.items():
+        print(f"{scheduler:6} {outcome.best.metric:14.2f} {sum(r.epochs for r in outcome.rows):13d} {wall:8.0f} "
+              f"{sum(r.status == 'stopped early' for r in outcome.rows):14d} {statistics.median(startups):18.1f}")
+    fifo, asha = rows["fifo"][0], rows["asha"][0]
+    epochs_ratio = sum(r.epochs for r in asha.rows) / sum(r.epochs for r in fifo.rows)
+    trial_startup = statistics.median(rows["fifo"][2] + rows["asha"][2])
+    print(f"\nASHA best − FIFO best: {asha.best.metric - fifo.best.metric:+.2f} RSUM (target ≥ −1)")
+    print(f"ASHA / FIFO trial-epochs: {epochs_ratio:.2f} (target ≤ 0.5)")
+    print(f"start-up: plain run {plain_startup:.1f} s, trial median {trial_startup:.1f} s, "
+          f"ratio {trial_startup / plain_startup:.2f} (target ≤ 1.2)")
+    print(f"MLflow: {tracking.resolve_tracking_uri(sweep.base.tracking.tracking_uri)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,401 @@
+"""A sweep file (``tune_spaces/*.yaml``): the run config a sweep starts from, the search space
+and the sweep settings, validated as a whole before Ray starts.
+
+.. code-block:: yaml
+
+    base:                                  # the run config every trial starts from
+      config: [pairsim:demo.yaml]          # run YAMLs layered left to right (relative to this file;
+                                           # pairsim: names a config shipped in the package)
+      loss: {base: unified}                # inline run-config keys, laid on top
+    space:                                 # dotted run-config key -> distribution
+      loss.margin: {uniform: [0.0, 0.4]}
+      loss.gamma: {loguniform: [10, 100]}
+    sweep:
+      num_samples: 8
+      search: optuna                       # random | grid | optuna (TPE)
+      scheduler: asha                      # fifo | asha
+      asha: {grace_period: 1, reduction_factor: 2}
+
+Every key of ``space`` must be a key the base config has (``loss.margin`` under ``loss.base:
+infonce`` is refused), every bound must give a valid run config alone (a margin reaching 3.0 is
+refused because ``loss.margin`` ≤ 2), and so must the corners of the space and a few random
+points of it together (``temperature.init`` above a sampled ``temperature.max``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import Field, ValidationError, model_validator
+
+from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, apply_overrides, flatten, layer,
+                            read_yaml, set_dotted, validate)
+
+SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
+SHIPPED_PREFIX = "pairsim:"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+RANDOM_POINTS_CHECKED = 16
+CORNER_POINTS_CHECKED = 256
+
+
+class Distribution(Section):
+    """One key's distribution, written ``{kind: arguments}`` as in Ray Tune:
+
+    ``uniform: [low, high]``, ``loguniform: [low, high]`` (0 < low), ``quniform: [low, high, q]``
+    (multiples of q), ``randint: [low, high]`` (integers, high excluded), ``choice: [v, ...]``
+    (sampled), ``grid: [v, ...]`` (every value, crossed with the other grid keys)."""
+
+    kind: Literal["uniform", "loguniform", "quniform", "randint", "choice", "grid"]
+    args: list[Any]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_mapping(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "kind" not in data:
+            if len(data) != 1:
+                raise ValueError("write one distribution, e.g. {uniform: [0.0, 0.4]} or {choice: [16, 32]}")
+            (kind, args), = data.items()
+            return {"kind": kind, "args": args}
+        return data
+
+    @model_validator(mode="after")
+    def _arguments(self) -> Distribution:
+        args, kind = self.args, self.kind
+        if kind in ("choice", "grid"):
+            if not args:
+                raise ValueError(f"{kind} needs at least one value")
+            return self
+        want = 3 if kind == "quniform" else 2
+        if len(args) != want or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+            raise ValueError(f"{kind} needs [{'low, high, q' if want == 3 else 'low, high'}] as numbers, got {args}")
+        if not all(math.isfinite(a) for a in args):
+            raise ValueError(f"{kind} bounds must be finite, got {args}")
+        if kind == "randint" and not all(isinstance(a, int) for a in args):
+            raise ValueError(f"randint needs integer bounds, got {args}")
+        if not args[0] < args[1]:
+            raise ValueError(f"{kind} needs low < high, got low={args[0]}, high={args[1]}")
+        if kind == "loguniform" and args[0] <= 0:
+            raise ValueError(f"loguniform needs 0 < low, got {args[0]}")
+        if kind == "quniform" and args[2] <= 0:
+            raise ValueError(f"quniform needs q > 0, got {args[2]}")
+        return self
+
+    def domain(self):
+        """The Ray Tune search-space object."""
+        from ray import tune
+
+        if self.kind == "grid":
+            return tune.grid_search(list(self.args))
+        return getattr(tune, self.kind)(*(self.args if self.kind != "choice" else [list(self.args)]))
+
+    def _quantize(self, value: float) -> float:
+        q = self.args[2]
+        return float(np.round(value / q) * q)
+
+    def corners(self) -> list[Any]:
+        """What is validated before the sweep: both bounds (as sampled: ``randint``'s high − 1,
+        ``quniform``'s bounds rounded to q), every value of ``choice`` and ``grid``."""
+        if self.kind in ("choice", "grid"):
+            return list(self.args)
+        low, high = self.args[:2]
+        if self.kind == "randint":
+            return [low, high - 1]
+        if self.kind == "quniform":
+            return [self._quantize(low), self._quantize(high)]
+        return [low, high]
+
+    def sample(self, rng: np.random.Generator) -> Any:
+        if self.kind in ("choice", "grid"):
+            return self.args[int(rng.integers(len(self.args)))]
+        low, high = self.args[:2]
+        if self.kind == "randint":
+            return int(rng.integers(low, high))
+        if self.kind == "loguniform":
+            return float(math.exp(rng.uniform(math.log(low), math.log(high))))
+        value = float(rng.uniform(low, high))
+        return self._quantize(value) if self.kind == "quniform" else value
+
+    def describe(self) -> str:
+        return f"{self.kind}{self.args}"
+
+
+class ASHASettings(Section):
+    """Asynchronous successive halving (Li et al., MLSys 2020) over epochs: at epochs
+    grace_period·rfᵏ a trial goes on only if its metric is in the top 1/rf of what trials
+    reported there."""
+
+    grace_period: Int = Field(1, ge=1, description="epochs every trial runs before it can be stopped")
+    reduction_factor: Float = Field(2.0, gt=1.0, description="rf: the share 1/rf of trials kept at each rung")
+    max_t: Int | None = Field(None, ge=1, description="epochs of the longest trial (default: the base's train.epochs)")
+
+
+class TrialResources(Section):
+    """What one trial reserves; each field left out keeps the base config's value."""
+
+    num_workers: Int | None = Field(None, ge=1, description="train.num_workers")
+    cpus_per_worker: Float | None = Field(None, gt=0.0, description="train.cpus_per_worker")
+    gpus_per_worker: Float | None = Field(
+        None, ge=0.0, description="train.gpus_per_worker; 0 trains on CPU, a fraction lets trials share a GPU")
+    data_cpus: Float | None = Field(None, gt=0.0, description="ray.data_cpus: the trial's cap on Ray Data's CPUs")
+
+    def overrides(self) -> dict[str, Any]:
+        """The run-config keys these settings stand for."""
+        out = {"train.num_workers": self.num_workers, "train.cpus_per_worker": self.cpus_per_worker,
+               "ray.data_cpus": self.data_cpus}
+        if self.gpus_per_worker is not None:
+            out["train.use_gpu"] = self.gpus_per_worker > 0
+            if self.gpus_per_worker > 0:
+                out["train.gpus_per_worker"] = self.gpus_per_worker
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class SweepSettings(Section):
+    """How the space is searched and trials are scheduled."""
+
+    metric: str | None = Field(None, description="the val metric trials are ranked by (it also picks each "
+                                                 "trial's best checkpoint); default: the base's eval.select_metric")
+    mode: Literal["max", "min"] | None = Field(None, description="default: the metric's own (min for median ranks)")
+    num_samples: Int = Field(8, ge=1, description="trials drawn (random, optuna); repeats of the grid (grid)")
+    search: Literal["random", "grid", "optuna"] = Field(
+        "random", description="random: Tune's variant generator; grid: every combination of the grid values; "
+                              "optuna: TPE (ray.tune.search.optuna.OptunaSearch)")
+    scheduler: Literal["fifo", "asha"] = "asha"
+    asha: ASHASettings | None = Field(None, description="ASHA's rungs (scheduler asha only)")
+    max_concurrent_trials: Int | None = Field(
+        None, ge=1, description="default: as many as the cluster's CPUs and GPUs hold (1 on a local instance)")
+    resources: TrialResources = TrialResources()
+    seed: Int | None = Field(0, description="seeds the search (random and optuna); null: unseeded")
+    verbose_trials: Bool = Field(False, description="show the trials' own logs (training progress) on the console")
+
+    @model_validator(mode="after")
+    def _scheduler_options(self) -> SweepSettings:
+        if self.scheduler == "fifo" and self.asha is not None:
+            raise ValueError("asha: only for scheduler asha, not fifo")
+        if self.scheduler == "asha" and self.asha is None:
+            self.asha = ASHASettings()
+        return self
+
+
+class SweepFile(Section):
+    base: dict[str, Any] = Field(default_factory=dict, description="config: run YAML(s), plus inline run-config keys")
+    space: dict[str, Distribution] = {}
+    sweep: SweepSettings = SweepSettings()
+
+
+def _config_paths(value: Any, relative_to: Path) -> list[Path]:
+    paths = value if isinstance(value, list) else [value]
+    out = []
+    for item in paths:
+        if not isinstance(item, str):
+            raise ConfigError(f"base.config: expected a path or a list of paths, got {item!r}")
+        if item.startswith(SHIPPED_PREFIX):
+            out.append(SHIPPED_CONFIGS / item[len(SHIPPED_PREFIX):])
+        else:
+            path = Path(item)
+            out.append(path if path.is_absolute() else relative_to / path)
+    return out
+
+
+def nested(point: dict[str, Any]) -> dict[str, Any]:
+    """``{"loss.margin": 0.2}`` → ``{"loss": {"margin": 0.2}}``."""
+    tree: dict[str, Any] = {}
+    for key, value in point.items():
+        set_dotted(tree, key, value)
+    return tree
+
+
+def _message(error: dict[str, Any]) -> str:
+    return "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+
+
+def _errors_of(tree: dict[str, Any]) -> str | None:
+    try:
+        validate(tree, "the point")
+    except ConfigError as exc:
+        return str(exc).split(":\n", 1)[-1].replace("\n", "").replace("Value error, ", "")
+    return None
+
+
+def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
+    """Why ``key`` is not in the base config: a section the base leaves unset, or what
+    validation says of it (a parameter of another loss, an unknown key)."""
+    node: Any = tree
+    parts = key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, dict) and part in node and node[part] is None:
+            return f"{'.'.join(parts[:depth + 1])} is not set there; set it under base to sweep its keys"
+        node = node.get(part) if isinstance(node, dict) else None
+    return (_errors_of(layer(tree, nested({key: dist.corners()[0]}))) or "unknown key").strip()
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A validated sweep: the base run config (as a tree and validated), the space, the settings."""
+
+    source: str
+    base_tree: dict[str, Any]
+    base: RunConfig
+    space: dict[str, Distribution]
+    settings: SweepSettings
+
+    @property
+    def metric(self) -> str:
+        """The reported metric trials are ranked by, e.g. ``val/rsum``."""
+        return f"val/{self.base.eval.select_metric}"
+
+    @property
+    def mode(self) -> str:
+        return self.base.eval.select_mode
+
+    @property
+    def epochs(self) -> int:
+        """The longest a trial runs."""
+        return self.settings.asha.max_t if self.settings.asha and self.settings.asha.max_t else self.base.train.epochs
+
+    def trial_config(self, point: dict[str, Any]) -> RunConfig:
+        """The run config of the trial at ``point`` (dotted key → sampled value)."""
+        return validate(layer(self.base_tree, nested(point)), f"{self.source} at {point}")
+
+    def param_space(self) -> dict[str, Any]:
+        return {key: dist.domain() for key, dist in self.space.items()}
+
+    def digest(self) -> str:
+        """sha256 of the base config, the space and the settings: a resumed sweep must match it."""
+        text = json.dumps({"base": self.base.model_dump(mode="json"),
+                           "space": {k: d.model_dump() for k, d in self.space.items()},
+                           "sweep": self.settings.model_dump(mode="json", exclude={"max_concurrent_trials",
+                                                                                   "verbose_trials"})},
+                          sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def points_to_check(self) -> list[dict[str, Any]]:
+        """The corners of the space (all of them up to 256, else the all-low / all-high ones)
+        and 16 seeded random points."""
+        keys = list(self.space)
+        corners = [self.space[k].corners() for k in keys]
+        if math.prod(map(len, corners)) <= CORNER_POINTS_CHECKED:
+            points = [dict(zip(keys, values)) for values in itertools.product(*corners)]
+        else:
+            points = [dict(zip(keys, (c[0] for c in corners))), dict(zip(keys, (c[-1] for c in corners)))]
+        rng = np.random.default_rng(0)
+        return points + [{k: self.space[k].sample(rng) for k in keys} for _ in range(RANDOM_POINTS_CHECKED)]
+
+    def params(self) -> dict[str, Any]:
+        """The sweep as MLflow params of its parent run."""
+        out = {f"space.{k}": d.describe() for k, d in self.space.items()}
+        out |= {f"sweep.{k}": v for k, v in flatten(self.settings.model_dump(mode="json")).items()}
+        return out | {"sweep.metric": self.metric, "sweep.mode": self.mode, "base.sha256": self.digest()[:16]}
+
+
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+    """Read and validate a sweep file; ``overrides`` (``--set``) starting with ``sweep.`` or
+    ``space.`` apply to the sweep file, the others to its base run config.
+
+    Raises :class:`ConfigError` listing every problem at once, each with its path in the file.
+    """
+    path = Path(path)
+    raw = read_yaml(path)
+    sweep_sets = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".")[0] in ("sweep", "space")]
+    base_sets = [o for o in overrides or [] if o not in sweep_sets]
+    for item in sweep_sets:  # space.loss.margin={uniform: [0, 0.3]}: the key after space. is one dotted key
+        key, _, value = item.partition("=")
+        if key.strip().startswith("space."):
+            raw.setdefault("space", {})[key.strip()[len("space."):]] = apply_overrides({}, [f"v={value}"])["v"]
+        else:
+            apply_overrides(raw, [item])
+    errors: list[str] = []
+    if not isinstance(raw.get("space", {}), dict) or not raw.get("space"):
+        errors.append("space: needs at least one key, e.g. loss.margin: {uniform: [0.0, 0.4]}")
+    space: dict[str, Distribution] = {}
+    for key, spec in (raw.get("space") or {}).items() if isinstance(raw.get("space"), dict) else []:
+        try:
+            space[key] = Distribution.model_validate(spec)
+        except ValidationError as exc:
+            errors += [f"space.{key}: {_message(e)}" for e in exc.errors()]
+    sections = {"space": {}}
+    for name, model in (("base", None), ("sweep", SweepSettings)):  # each alone: all their errors at once
+        try:
+            sections[name] = model.model_validate(raw.get(name) or {}) if model else raw.get(name) or {}
+            SweepFile.model_validate({name: sections[name]})
+        except ValidationError as exc:
+            errors += [f"{'.'.join(map(str, (name, *e['loc'][1 if model is None else 0:])))}: {_message(e)}"
+                       for e in exc.errors()]
+            sections[name] = SweepSettings() if model else {}
+    errors += [f"{key}: unknown key (a sweep file has base, space, sweep)" for key in raw if key not in sections]
+    file = SweepFile.model_validate(sections).model_copy(update={"space": space})
+    base_raw = dict(file.base)
+    tree: dict[str, Any] = {}
+    try:
+        for config in _config_paths(base_raw.pop("config", []), path.parent):
+            tree = layer(tree, read_yaml(config))
+    except ConfigError as exc:
+        errors.append(f"base.config: {exc}")
+    tree = layer(tree, base_raw)
+    tree = layer(tree, apply_overrides({}, base_sets))
+    tree = layer(tree, nested(file.sweep.resources.overrides()))
+    if file.sweep.metric is not None:
+        tree = layer(tree, {"eval": {"select_metric": file.sweep.metric}})
+    if file.sweep.asha and file.sweep.asha.max_t and "train.epochs" not in file.space:
+        tree = layer(tree, {"train": {"epochs": file.sweep.asha.max_t}})  # trials as long as ASHA lets them run
+    try:
+        base = validate(tree, f"{path} base")
+    except ConfigError as exc:
+        raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
+    tree = base.model_dump(mode="json")  # trials layer their point on the whole config, defaults written out
+    sweep = Sweep(str(path), tree, base, file.space, file.sweep)
+
+    settings = file.sweep
+    if settings.mode is not None and settings.mode != sweep.mode:
+        errors.append(f"sweep.mode: {settings.mode!r}, but {sweep.metric} is ranked {sweep.mode!r}")
+    grid_keys = [k for k, d in file.space.items() if d.kind == "grid"]
+    if settings.search == "grid" and len(grid_keys) < len(file.space):
+        errors.append("sweep.search: grid needs every space key to be a grid; not: "
+                      + ", ".join(k for k in file.space if k not in grid_keys))
+    if settings.search == "optuna" and grid_keys:
+        errors.append(f"sweep.search: optuna samples; it takes no grid ({', '.join(grid_keys)}): use choice")
+    if settings.asha and settings.asha.max_t is None and "train.epochs" in file.space:
+        errors.append("sweep.asha.max_t: needed when train.epochs is swept (ASHA's longest trial, in epochs)")
+    if settings.asha and settings.asha.grace_period > sweep.epochs:
+        errors.append(f"sweep.asha.grace_period: {settings.asha.grace_period} epochs is more than the "
+                      f"{sweep.epochs} a trial runs")
+
+    flat = base.flat()
+    bad_keys = set()
+    for key, dist in file.space.items():
+        if key not in flat:
+            errors.append(f"space.{key}: not a key of the base config ({_why_not_a_key(tree, key, dist)})")
+            bad_keys.add(key)
+            continue
+        rng = np.random.default_rng(0)
+        bounds = zip(("low", "high") if dist.kind not in ("choice", "grid") else ["value"] * len(dist.args),
+                     dist.corners())
+        for name, value in bounds:
+            why = _errors_of(layer(tree, nested({key: value})))
+            if why:
+                errors.append(f"space.{key}: {name} {value!r} gives an invalid run config: {why.strip()}")
+                bad_keys.add(key)
+        for value in [] if key in bad_keys else [dist.sample(rng) for _ in range(RANDOM_POINTS_CHECKED)]:
+            why = _errors_of(layer(tree, nested({key: value})))
+            if why:  # e.g. uniform over an integer key
+                errors.append(f"space.{key}: sampled {value!r} gives an invalid run config: {why.strip()}")
+                bad_keys.add(key)
+                break
+    if not bad_keys:
+        seen = set()
+        for point in sweep.points_to_check():
+            why = _errors_of(layer(tree, nested(point)))
+            if why and why not in seen:
+                seen.add(why)
+                errors.append(f"space: the point {point} gives an invalid run config: {why.strip()}")
+                if len(seen) == 3:
+                    break
+    if errors:
+        raise ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors))
+    return sweep

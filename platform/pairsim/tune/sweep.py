@@ -1,0 +1,259 @@
+"""The sweep driver and its trials: sweep file → checks → Ray → ``Tuner`` → table, ``best.yaml``,
+plots, MLflow.
+
+Ray Train V2 with Tune: each trial is a function trainable (:func:`run_trial`) that runs
+:func:`pairsim.train.driver.fit` on the trial's run config, so a trial is exactly a ``pairsim
+train`` run (its own ``TorchTrainer``, DeepSpeed, Ray Data stream and MLflow run) whose
+per-epoch val metrics reach Tune through ``TuneReportCallback``, which ASHA reads.
+
+MLflow: one parent run per sweep (the space, the settings, the results and plots), one child run
+per trial (``mlflow.parentRunId``; the trial's full config as params, its curves), ended
+FINISHED, FAILED or KILLED (stopped early by ASHA) with a ``pairsim.trial_status`` tag.
+
+Resume: the Tune experiment lives at ``<ray.storage_path>/<name>``; running the same name again
+(or ``--resume NAME``) restores it (``Tuner.restore``): finished trials are kept, unfinished
+ones continue from their Ray Train checkpoints into the same child runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import tune
+
+from pairsim import log, tracking
+from pairsim.config import ConfigError
+from pairsim.train import driver
+from pairsim.tune import results
+from pairsim.tune.space import Sweep
+
+logger = log.get_logger("tune")
+STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest and parent run
+TRIAL_TAG = "pairsim.trial_id"
+TRIAL_MEMORY = 256 * 2**20  # bytes the trial function itself reserves
+TRIAL_LOG_LEVEL = "WARNING"  # trials' own pairsim logs (the sweep prints its table)
+
+
+@dataclass(frozen=True)
+class TrialJob:
+    """What every trial gets from the sweep driver."""
+
+    sweep: Sweep
+    name: str
+    parent_run_id: str
+    runs_path: str  # absolute: where the trials' Ray Train runs (checkpoints) live
+    log_level: str
+
+
+def trial_run_name(sweep_name: str, trial_id: str) -> str:
+    return f"{sweep_name}-{trial_id}"
+
+
+def run_trial(point: dict[str, Any], job: TrialJob) -> None:
+    """One trial: the run config at ``point``, trained by :func:`pairsim.train.driver.fit`."""
+    log.setup(job.log_level)
+    trial_id = tune.get_context().get_trial_id()
+    run_name = trial_run_name(job.name, trial_id)
+    cfg = job.sweep.trial_config(point)
+    data_cap = min(cfg.data.max_cpus or math.inf, cfg.ray.data_cpus)  # the trial's share of the CPUs
+    cfg = cfg.model_copy(update={
+        "ray": cfg.ray.model_copy(update={"run_name": run_name, "storage_path": Path(job.runs_path)}),
+        "data": cfg.data.model_copy(update={"max_cpus": data_cap})})
+    tags = {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
+    try:
+        driver.fit(cfg, driver.SweepTrial(job.parent_run_id, tags))
+    except BaseException as exc:
+        run_id = tracking.find_run(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_name)
+        if run_id:
+            tracking.set_run_status(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_id, "FAILED",
+                                    {results.STATUS_TAG: "failed", "pairsim.error": f"{type(exc).__name__}: {exc}"[:5000]})
+        raise
+
+
+class TrialName:
+    """Tune's trial names and directories: ``<sweep>-<trial id>``, unique within the storage."""
+
+    def __init__(self, sweep_name: str):
+        self.sweep_name = sweep_name
+
+    def __call__(self, trial) -> str:
+        return trial_run_name(self.sweep_name, trial.trial_id)
+
+
+class SweepProgress(tune.Callback):
+    """On the sweep driver: a table row as each trial ends, a progress line with an ETA, and the
+    child run's final MLflow status (a trial ASHA stops is killed: its run is ended here)."""
+
+    def __init__(self, sweep: Sweep, name: str, tracking_uri: str, total_trials: int):
+        self.sweep, self.name, self.tracking_uri, self.total = sweep, name, tracking_uri, total_trials
+        self.started = time.time()
+        self.epochs: dict[str, int] = {}
+        self.best: dict[str, float] = {}
+        self.ended: dict[str, str] = {}
+
+    def setup(self, **info) -> None:
+        self.started = time.time()
+        print(results.table_header(self.sweep), flush=True)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        self.epochs[trial.trial_id] = int(result.get("epoch", 0))
+        value = result.get(self.sweep.metric)
+        if value is not None:
+            old = self.best.get(trial.trial_id)
+            better = max if self.sweep.mode == "max" else min
+            self.best[trial.trial_id] = value if old is None else better(old, value)
+
+    def _end(self, trials, trial, status: str, error: str = "") -> None:
+        self.ended[trial.trial_id] = status
+        run_id = tracking.find_run(self.tracking_uri, trial_run_name(self.name, trial.trial_id))
+        if run_id:
+            tags = {results.STATUS_TAG: status.replace(" ", "_")} | ({"pairsim.error": error[:5000]} if error else {})
+            tracking.set_run_status(self.tracking_uri, run_id, results.MLFLOW_STATUS[status], tags)
+        row = results.TrialRow(trial.trial_id, status, self.epochs.get(trial.trial_id, 0), dict(trial.config),
+                               self.best.get(trial.trial_id), run_id, error)
+        print(results.format_row(row, self.sweep), flush=True)
+        print(self._progress(trials), flush=True)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        done = self.epochs.get(trial.trial_id, 0) >= self.sweep.epochs
+        self._end(trials, trial, "finished" if done else "stopped early")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._end(trials, trial, "failed", results.trial_error(trial.error_file))
+
+    def _progress(self, trials) -> str:
+        running = [t for t in trials if t.status == "RUNNING" and t.trial_id not in self.ended]
+        done = len(self.ended)
+        pending = max(self.total - done - len(running), 0)
+        spent = sum(self.epochs.values())
+        elapsed = time.time() - self.started
+        left = pending * self.sweep.epochs + sum(self.sweep.epochs - self.epochs.get(t.trial_id, 0) for t in running)
+        eta = f"ETA ≤ {results.duration(elapsed / spent * left)}" if spent else "ETA: after the first epoch"
+        stopped = sum(s == "stopped early" for s in self.ended.values())
+        failed = sum(s == "failed" for s in self.ended.values())
+        return (f"  [{done}/{self.total} done ({stopped} stopped early, {failed} failed), {len(running)} running, "
+                f"{pending} pending; {spent} trial-epochs in {results.duration(elapsed)}; {eta}]")
+
+
+def total_trials(sweep: Sweep) -> int:
+    grid = math.prod(len(d.args) for d in sweep.space.values() if d.kind == "grid")
+    return sweep.settings.num_samples * grid
+
+
+def trial_resources(sweep: Sweep) -> dict[str, float]:
+    """What one trial reserves: its workers' CPUs (and GPUs) plus its Ray Data share."""
+    train = sweep.base.train
+    return {"CPU": driver.run_cpus(sweep.base), "GPU": train.num_workers * train.gpus_per_worker * train.use_gpu}
+
+
+def concurrency(sweep: Sweep) -> int:
+    """Trials run at once: ``max_concurrent_trials``, else as many as the cluster holds.
+    Refuses a sweep whose trials do not fit, naming what to change."""
+    cluster = ray.cluster_resources()
+    need = trial_resources(sweep)
+    fits = min(math.floor(cluster.get(r, 0.0) / n + 1e-9) for r, n in need.items() if n > 0)
+    if fits < 1:
+        raise ConfigError("sweep.resources: one trial needs " + ", ".join(f"{n:g} {r}" for r, n in need.items() if n)
+                          + " (workers × per-worker + ray.data_cpus); the cluster has "
+                          + ", ".join(f"{cluster.get(r, 0.0):g} {r}" for r in need if need[r]))
+    wanted = sweep.settings.max_concurrent_trials
+    if wanted is not None and wanted > fits:
+        raise ConfigError(f"sweep.max_concurrent_trials: {wanted} trials × " + " + ".join(
+            f"{n:g} {r}" for r, n in need.items() if n) + f" do not fit the cluster ({fits} do)")
+    return wanted or fits
+
+
+@dataclass
+class SweepResult:
+    name: str
+    parent_run_id: str
+    tracking_uri: str
+    rows: list[results.TrialRow]
+    best: results.TrialRow | None
+    out_dir: Path
+
+
+def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> SweepResult:
+    """Run (or, if ``<storage>/<name>`` holds it, resume) the sweep; returns its trials."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    name = name or datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    base = sweep.base
+    storage = Path(base.ray.storage_path).resolve()
+    exp_dir = storage / name
+    state_file = exp_dir / STATE_FILE
+    restoring = tune.Tuner.can_restore(exp_dir)
+    if resume and not restoring:
+        raise ConfigError(f"--resume: no sweep {name!r} to resume in {storage}")
+    if restoring and state_file.is_file() and json.loads(state_file.read_text())["digest"] != sweep.digest():
+        raise ConfigError(f"sweep {name!r} in {storage} was started with another base config, space or settings; "
+                          "resume it with the same file and --set options, or give a new --name")
+    driver.check_ready(base)
+    for point in sweep.points_to_check()[:2]:
+        driver.check_ready(sweep.trial_config(point))
+
+    tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
+    driver.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
+                    log_to_driver=sweep.settings.verbose_trials)
+    trials_at_once = concurrency(sweep)
+    parent_run_id, reopened = tracking.open_sweep_run(
+        tracking_uri, base.tracking.experiment, name, sweep.params(),
+        {"pairsim.search": sweep.settings.search, "pairsim.scheduler": sweep.settings.scheduler,
+         "pairsim.sweep_sha256": sweep.digest()})
+    if not reopened:
+        results.log_inputs(tracking_uri, parent_run_id, sweep)
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    state_file.write_text(json.dumps({"digest": sweep.digest(), "parent_run_id": parent_run_id,
+                                      "source": sweep.source}, indent=2))
+    logger.info("sweep %s: %d trials of up to %d epochs, %d at a time, ranked by %s (%s); %s",
+                name, total_trials(sweep), sweep.epochs, trials_at_once, sweep.metric, sweep.mode,
+                "resumed" if restoring else "new")
+
+    job = TrialJob(sweep, name, parent_run_id, str(exp_dir / "runs"),
+                   logging.getLevelName(logger.getEffectiveLevel()) if sweep.settings.verbose_trials
+                   else TRIAL_LOG_LEVEL)
+    # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
+    trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), {"CPU": 0, "memory": TRIAL_MEMORY})
+    if restoring:
+        tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        settings = sweep.settings
+        if settings.search == "optuna":
+            from ray.tune.search.optuna import OptunaSearch
+
+            search_alg = OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=settings.seed)
+            searcher_limit = trials_at_once  # Tune wraps a Searcher in a ConcurrencyLimiter
+        else:  # the variant generator limits itself
+            search_alg = BasicVariantGenerator(random_state=settings.seed, max_concurrent=trials_at_once)
+            searcher_limit = None
+        scheduler = (ASHAScheduler(time_attr="epoch", max_t=sweep.epochs, grace_period=settings.asha.grace_period,
+                                   reduction_factor=settings.asha.reduction_factor)
+                     if settings.asha else FIFOScheduler())
+        tuner = tune.Tuner(
+            trainable, param_space=sweep.param_space(),
+            tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, search_alg=search_alg,
+                                        scheduler=scheduler, num_samples=settings.num_samples,
+                                        max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
+                                        trial_dirname_creator=TrialName(name)),
+            run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
+                                      callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))]))
+    succeeded = False
+    try:
+        grid = tuner.fit()
+        children = tracking.child_runs(tracking_uri, parent_run_id)
+        rows = results.trial_rows(grid, sweep, children, name)
+        best = results.best_row(rows, sweep)
+        results.write(rows, best, sweep, exp_dir, tracking_uri, parent_run_id, children)
+        succeeded = best is not None
+    finally:
+        tracking.set_run_status(tracking_uri, parent_run_id, "FINISHED" if succeeded else "FAILED")
+    return SweepResult(name, parent_run_id, tracking_uri, rows, best, exp_dir)

@@ -1,0 +1,173 @@
+"""Sweeps end to end on a real Ray instance and real MLflow: ASHA stopping a weak trial, a trial
+whose numerics blow up recorded as failed while the others go on, the parent run with one child
+per trial and its plots, ``best.yaml`` reproducing the best trial, and a sweep driver killed with
+SIGKILL then resumed into the same parent run without re-running or duplicating a trial."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+import toy_loss  # noqa: F401  (registers cos_hinge_unstable here; workers import it from the pickled config)
+from pairsim import tracking
+from pairsim.config import load_config
+from pairsim.tune import results
+from pairsim.tune.space import load_sweep
+
+pytestmark = pytest.mark.slow
+
+
+def write_sweep(path: Path, data: Path, storage: Path, tracking_uri: str, space: dict, sweep: dict) -> Path:
+    path.write_text(yaml.safe_dump({
+        "base": {"config": ["pairsim:demo.yaml"],
+                 "data": {"path": str(data), "test_split": None},
+                 "train": {"num_workers": 1, "micro_batch_size": 16, "epochs": 2, "log_every_n_steps": 4},
+                 "optim": {"warmup_steps": 2}, "eval": {"batch_size": 64},
+                 "ray": {"data_cpus": 1, "storage_path": str(storage)},
+                 "tracking": {"tracking_uri": tracking_uri, "experiment": path.stem}},
+        "space": space, "sweep": sweep}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
+    """Four trials against a real `mlflow server`: a hinge margin of 0.2 or 1.5 (non-finite: fails)
+    × a learning rate of 2e-3 or 1e-7 (learns nothing: ASHA stops it after epoch 1)."""
+    from pairsim.tune.sweep import run_sweep
+
+    root = tmp_path_factory.mktemp("asha")
+    path = write_sweep(root / "asha.yaml", tiny_dataset, root / "ray", mlflow_server,
+                       {"loss.cos_margin": {"grid": [0.2, 1.5]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
+                       {"search": "grid", "num_samples": 1, "scheduler": "asha",
+                        "asha": {"grace_period": 1, "reduction_factor": 2}, "max_concurrent_trials": 1})
+    sweep = load_sweep(path, ["loss.base=cos_hinge_unstable"])
+    return sweep, run_sweep(sweep, "asha")
+
+
+def test_asha_stops_the_weak_trial_and_the_failing_ones_do_not_stop_the_sweep(asha_sweep):
+    sweep, outcome = asha_sweep
+    by_point = {(r.point["loss.cos_margin"], r.point["optim.lr"]): r for r in outcome.rows}
+    assert len(by_point) == 4
+    assert by_point[(0.2, 2.0e-3)].status == "finished" and by_point[(0.2, 2.0e-3)].epochs == 2
+    weak = by_point[(0.2, 1.0e-7)]
+    assert weak.status == "stopped early" and weak.epochs == 1
+    assert weak.metric < by_point[(0.2, 2.0e-3)].metric
+    for lr in (2.0e-3, 1.0e-7):
+        failed = by_point[(1.5, lr)]
+        assert failed.status == "failed" and failed.metric is None
+        assert "non-finite" in failed.error, failed.error
+    assert outcome.best is by_point[(0.2, 2.0e-3)]
+
+
+def test_the_parent_run_has_one_child_per_trial_with_its_params_status_and_curves(asha_sweep, mlflow_server):
+    sweep, outcome = asha_sweep
+    client = MlflowClient(mlflow_server)
+    parent = client.get_run(outcome.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["pairsim.search"] == "grid" and parent.data.tags["pairsim.scheduler"] == "asha"
+    assert parent.data.params["space.loss.cos_margin"] == "grid[0.2, 1.5]"
+    assert parent.data.metrics["trials/stopped_early"] == 1 and parent.data.metrics["trials/failed"] == 2
+    artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
+    assert {"results.csv", "best.yaml", *results.PLOTS} <= artifacts, artifacts
+
+    children = tracking.child_runs(mlflow_server, outcome.parent_run_id)
+    assert len(children) == 4 and len({c.data.tags[tracking.RUN_NAME_TAG] for c in children}) == 4
+    expected = {"finished": "FINISHED", "stopped early": "KILLED", "failed": "FAILED"}
+    for row in outcome.rows:
+        child = client.get_run(row.run_id)
+        assert child.data.tags[tracking.PARENT_TAG] == outcome.parent_run_id
+        assert child.info.status == expected[row.status], (row, child.info.status)
+        assert child.data.tags[results.STATUS_TAG] == row.status.replace(" ", "_")
+        assert float(child.data.params["loss.cos_margin"]) == row.point["loss.cos_margin"]
+        assert float(child.data.params["optim.lr"]) == row.point["optim.lr"]
+        curve = client.get_metric_history(row.run_id, tracking.metric_key(sweep.metric))
+        assert len(curve) == row.epochs, (row, curve)
+    failed = [client.get_run(r.run_id) for r in outcome.rows if r.status == "failed"]
+    assert all("non-finite" in run.data.tags["pairsim.error"] for run in failed)
+
+
+def test_trial_runs_live_under_the_sweep_with_unique_absolute_paths(asha_sweep):
+    sweep, outcome = asha_sweep
+    runs = sorted((outcome.out_dir / "runs").iterdir())
+    assert outcome.out_dir.is_absolute()
+    assert [p.name for p in runs] == sorted(f"asha-{r.trial_id}" for r in outcome.rows)
+
+
+def test_best_yaml_reproduces_the_best_trials_config(asha_sweep, mlflow_server):
+    sweep, outcome = asha_sweep
+    best = load_config(outcome.out_dir / "best.yaml")
+    assert best == sweep.trial_config(outcome.best.point)
+    trial_params = MlflowClient(mlflow_server).get_run(outcome.best.run_id).data.params
+    own = {"ray.run_name", "ray.storage_path", "data.max_cpus"}  # where the trial ran, not what it trained
+    flat = {k: "None" if v is None else str(v) for k, v in best.flat().items()}
+    assert {k: v for k, v in flat.items() if k not in own} == {k: v for k, v in trial_params.items() if k not in own}
+
+
+def test_plots_are_pictures(asha_sweep):
+    _, outcome = asha_sweep
+    from PIL import Image
+
+    for name in results.PLOTS:
+        with Image.open(outcome.out_dir / name) as image:
+            assert image.format == "PNG" and image.width > 300
+
+
+def _children(uri: str, experiment: str) -> list:
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return [r for r in client.search_runs([found.experiment_id]) if tracking.PARENT_TAG in r.data.tags]
+
+
+def test_a_sweep_driver_killed_mid_sweep_resumes_into_the_same_parent(ray_instance, tiny_dataset, tmp_path):
+    """Two trials, one at a time: the driver (a `pairsim tune` process on the session's Ray
+    instance) is SIGKILLed once one trial has ended and the next one is training; `--resume`
+    finishes the sweep."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write_sweep(tmp_path / "killed.yaml", tiny_dataset, tmp_path / "ray", uri,
+                       {"loss.margin": {"uniform": [0.05, 0.3]}},
+                       {"search": "random", "num_samples": 2, "scheduler": "fifo", "max_concurrent_trials": 1})
+    env = {**os.environ, "RAY_ADDRESS": ray_instance.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pairsim.cli", "tune", "--space", str(path)]
+    log = open(tmp_path / "first.log", "w")
+    first = subprocess.Popen(command + ["--name", "killed"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    deadline = time.time() + 900
+    while time.time() < deadline and first.poll() is None:
+        children = _children(uri, "killed")
+        if any(c.info.status != "RUNNING" for c in children) and any(
+                c.info.status == "RUNNING" and "perf/startup_s" in c.data.metrics for c in children):
+            break
+        time.sleep(3)
+    assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    before = {c.data.tags[tracking.RUN_NAME_TAG]: c for c in _children(uri, "killed")}
+    ended = {name: c for name, c in before.items() if c.info.status != "RUNNING"}
+    assert len(before) == 2 and len(ended) == 1
+
+    resumed = subprocess.run(command + ["--resume", "killed"], env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    client = MlflowClient(uri)
+    parents = client.search_runs([client.get_experiment_by_name("killed").experiment_id],
+                                 filter_string=f"tags.`{tracking.SWEEP_TAG}` = 'killed'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    after = _children(uri, "killed")
+    names = [c.data.tags[tracking.RUN_NAME_TAG] for c in after]
+    assert len(names) == 2 and len(set(names)) == 2  # no duplicate child for the interrupted trial
+    assert all(c.data.tags[tracking.PARENT_TAG] == parents[0].info.run_id for c in after)
+    assert all(c.info.status == "FINISHED" for c in after)
+    for name, child in ended.items():  # the finished trial was not run again
+        again = client.get_run(child.info.run_id)
+        assert again.info.end_time == child.info.end_time and again.data.tags["pairsim.attempts"] == "1"
+    interrupted = next(c for c in after if c.data.tags[tracking.RUN_NAME_TAG] in set(before) - set(ended))
+    assert interrupted.data.tags["pairsim.attempts"] == "2"
+    assert "resumed" in resumed.stdout + resumed.stderr
