@@ -1,11 +1,11 @@
 """Benchmark of sweeps: ASHA against FIFO over the same space and seeds, and a trial's start-up
 against a plain run's.
 
-    python pipelines/bench_tune.py [--num-train 2000] [--trials 8] [--epochs 4] [--out bench_out/tune]
+    python pipelines/bench_tune.py [--num-train 1000] [--trials 8] [--epochs 4] [--out bench_out/tune]
 
 On a shapes dataset (generated in OUT/data if absent), a random search over the Unified loss's
 margin and scale (seed 0: both sweeps draw the same points) runs once under FIFO and once under
-ASHA (grace 1 epoch, reduction factor 2), one trial at a time on a local Ray instance; then
+ASHA (grace 1 epoch, reduction factor 3: rungs at epochs 1 and 3), one trial at a time on a local Ray instance; then
 one plain run of the base config on the same instance. Prints each sweep's best val RSUM,
 trial-epochs and wall time, and the start-up of a trial (trial start → its first training step,
 ``perf/startup_s``) against the plain run's (``fit`` called → first step, Ray already up).
@@ -42,7 +42,7 @@ def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str) 
         "space": {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 100]}},
         "sweep": {"search": "random", "seed": 0, "num_samples": args.trials, "scheduler": scheduler,
                   "max_concurrent_trials": 1}
-        | ({"asha": {"grace_period": 1, "reduction_factor": 2}} if scheduler == "asha" else {})}))
+        | ({"asha": {"grace_period": 1, "reduction_factor": args.reduction_factor}} if scheduler == "asha" else {})}))
     return path
 
 
@@ -52,10 +52,11 @@ def startup_seconds(tracking_uri: str, run_id: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-train", type=int, default=2000)
-    parser.add_argument("--num-val", type=int, default=300)
+    parser.add_argument("--num-train", type=int, default=1000)
+    parser.add_argument("--num-val", type=int, default=200)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--reduction-factor", type=float, default=3.0, help="ASHA's: the top 1/rf go on at a rung")
     parser.add_argument("--out", type=Path, default=Path("bench_out/tune"))
     args = parser.parse_args()
     out = args.out.resolve()

@@ -127,13 +127,13 @@ def _children(uri: str, experiment: str) -> list:
 
 
 def test_a_sweep_driver_killed_mid_sweep_resumes_into_the_same_parent(ray_instance, tiny_dataset, tmp_path):
-    """Two trials, one at a time: the driver (a `pairsim tune` process on the session's Ray
+    """Two trials drawn by Optuna, one at a time: the driver (a `pairsim tune` process on the session's Ray
     instance) is SIGKILLed once one trial has ended and the next one is training; `--resume`
     finishes the sweep."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "killed.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"loss.margin": {"uniform": [0.05, 0.3]}},
-                       {"search": "random", "num_samples": 2, "scheduler": "fifo", "max_concurrent_trials": 1})
+                       {"search": "optuna", "num_samples": 2, "scheduler": "fifo", "max_concurrent_trials": 1})
     env = {**os.environ, "RAY_ADDRESS": ray_instance.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "pairsim.cli", "tune", "--space", str(path)]

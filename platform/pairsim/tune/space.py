@@ -83,8 +83,11 @@ class Distribution(Section):
             raise ValueError(f"{kind} needs low < high, got low={args[0]}, high={args[1]}")
         if kind == "loguniform" and args[0] <= 0:
             raise ValueError(f"loguniform needs 0 < low, got {args[0]}")
-        if kind == "quniform" and args[2] <= 0:
-            raise ValueError(f"quniform needs q > 0, got {args[2]}")
+        if kind == "quniform":
+            if args[2] <= 0:
+                raise ValueError(f"quniform needs q > 0, got {args[2]}")
+            if any(abs(round(a / args[2]) * args[2] - a) > 1e-9 * max(1.0, abs(a)) for a in args[:2]):
+                raise ValueError(f"quniform needs bounds that are multiples of q, got {args}")  # as Ray Tune does
         return self
 
     def domain(self):
@@ -194,7 +197,7 @@ def _config_paths(value: Any, relative_to: Path) -> list[Path]:
     out = []
     for item in paths:
         if not isinstance(item, str):
-            raise ConfigError(f"base.config: expected a path or a list of paths, got {item!r}")
+            raise ConfigError(f"expected a path or a list of paths, got {item!r}")
         if item.startswith(SHIPPED_PREFIX):
             out.append(SHIPPED_CONFIGS / item[len(SHIPPED_PREFIX):])
         else:
@@ -211,6 +214,16 @@ def nested(point: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+def _without_bad_fields(model: type[Section], data: dict[str, Any], exc: ValidationError) -> Section:
+    """``data`` validated without the fields ``exc`` faults (their defaults instead), so the
+    checks that read the other fields still run; the defaults if that fails too."""
+    bad = {e["loc"][0] for e in exc.errors() if e["loc"]}
+    try:
+        return model.model_validate({k: v for k, v in data.items() if k not in bad})
+    except ValidationError:
+        return model()
+
+
 def _message(error: dict[str, Any]) -> str:
     return "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
 
@@ -221,6 +234,20 @@ def _errors_of(tree: dict[str, Any]) -> str | None:
     except ConfigError as exc:
         return str(exc).split(":\n", 1)[-1].replace("\n", "").replace("Value error, ", "")
     return None
+
+
+LOCAL_PATH_KEYS = ("data.path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained")
+
+
+def _absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with its local paths made absolute against this directory: trials run in other
+    processes (``model.pretrained`` only when it names an existing file, not an open_clip tag)."""
+    flat = flatten(tree)
+    for key in LOCAL_PATH_KEYS:
+        value = flat.get(key)
+        if value is not None and (key != "model.pretrained" or Path(value).is_file()):
+            set_dotted(tree, key, str(Path(value).resolve()))
+    return tree
 
 
 def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
@@ -302,6 +329,9 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     """
     path = Path(path)
     raw = read_yaml(path)
+    for section in ("space", "sweep"):  # written with no value: empty
+        if raw.get(section) is None:
+            raw[section] = {}
     sweep_sets = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".")[0] in ("sweep", "space")]
     base_sets = [o for o in overrides or [] if o not in sweep_sets]
     for item in sweep_sets:  # space.loss.margin={uniform: [0, 0.3]}: the key after space. is one dotted key
@@ -327,7 +357,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         except ValidationError as exc:
             errors += [f"{'.'.join(map(str, (name, *e['loc'][1 if model is None else 0:])))}: {_message(e)}"
                        for e in exc.errors()]
-            sections[name] = SweepSettings() if model else {}
+            sections[name] = _without_bad_fields(model, raw.get(name) or {}, exc) if model else {}
     errors += [f"{key}: unknown key (a sweep file has base, space, sweep)" for key in raw if key not in sections]
     file = SweepFile.model_validate(sections).model_copy(update={"space": space})
     base_raw = dict(file.base)
@@ -341,14 +371,20 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     tree = layer(tree, apply_overrides({}, base_sets))
     tree = layer(tree, nested(file.sweep.resources.overrides()))
     if file.sweep.metric is not None:
-        tree = layer(tree, {"eval": {"select_metric": file.sweep.metric}})
+        eval_tree = layer(tree, {"eval": {"select_metric": file.sweep.metric}})
+        why = _errors_of(eval_tree) if _errors_of(tree) is None else None
+        if why:
+            errors.append(f"sweep.metric: {why.strip().removeprefix('eval: ')}")
+        else:
+            tree = eval_tree
     if file.sweep.asha and file.sweep.asha.max_t and "train.epochs" not in file.space:
         tree = layer(tree, {"train": {"epochs": file.sweep.asha.max_t}})  # trials as long as ASHA lets them run
     try:
         base = validate(tree, f"{path} base")
     except ConfigError as exc:
         raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
-    tree = base.model_dump(mode="json")  # trials layer their point on the whole config, defaults written out
+    tree = _absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
+    base = validate(tree, f"{path} base")
     sweep = Sweep(str(path), tree, base, file.space, file.sweep)
 
     settings = file.sweep

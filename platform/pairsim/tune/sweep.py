@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,6 +51,7 @@ class TrialJob:
     name: str
     parent_run_id: str
     runs_path: str  # absolute: where the trials' Ray Train runs (checkpoints) live
+    tracking_uri: str  # resolved on the driver (a relative sqlite path made absolute)
     log_level: str
 
 
@@ -66,7 +68,8 @@ def run_trial(point: dict[str, Any], job: TrialJob) -> None:
     data_cap = min(cfg.data.max_cpus or math.inf, cfg.ray.data_cpus)  # the trial's share of the CPUs
     cfg = cfg.model_copy(update={
         "ray": cfg.ray.model_copy(update={"run_name": run_name, "storage_path": Path(job.runs_path)}),
-        "data": cfg.data.model_copy(update={"max_cpus": data_cap})})
+        "data": cfg.data.model_copy(update={"max_cpus": data_cap}),
+        "tracking": cfg.tracking.model_copy(update={"tracking_uri": job.tracking_uri})})
     tags = {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
     try:
         driver.fit(cfg, driver.SweepTrial(job.parent_run_id, tags))
@@ -218,10 +221,11 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
                 name, total_trials(sweep), sweep.epochs, trials_at_once, sweep.metric, sweep.mode,
                 "resumed" if restoring else "new")
 
-    job = TrialJob(sweep, name, parent_run_id, str(exp_dir / "runs"),
+    job = TrialJob(sweep, name, parent_run_id, str(exp_dir / "runs"), tracking_uri,
                    logging.getLevelName(logger.getEffectiveLevel()) if sweep.settings.verbose_trials
                    else TRIAL_LOG_LEVEL)
     # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
+    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials see the driver's directory, as a run does
     trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), {"CPU": 0, "memory": TRIAL_MEMORY})
     if restoring:
         tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)

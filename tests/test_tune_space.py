@@ -1,0 +1,427 @@
+"""Sweep-file validation (``pairsim.tune.space``): fast, no Ray instance, no training.
+
+Every sweep YAML is written into ``tmp_path``; bases layer the shipped configs
+(``pairsim:demo.yaml``, ``pairsim:objectives/*.yaml``). Errors are checked by the path each
+line of the :class:`ConfigError` starts with (``space.loss.margin: ...``, ``sweep.search: ...``).
+"""
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from pairsim.config import ConfigError, load_config
+from pairsim.tune.space import SHIPPED_CONFIGS, Distribution, load_sweep
+
+REPO = Path(__file__).parents[1]
+TUNE_SPACES = sorted((REPO / "tune_spaces").glob("*.yaml"))
+DEMO = {"config": ["pairsim:demo.yaml"]}  # unified loss, margin 0.1, gamma 20, train.epochs 6
+INFONCE = {"config": ["pairsim:demo.yaml"], "loss": {"base": "infonce"}}
+
+
+def write_sweep(tmp_path: Path, base=None, space=None, sweep=None, name: str = "sweep.yaml", **extra) -> Path:
+    tree = {"base": DEMO if base is None else base}
+    if space is not None:
+        tree["space"] = space
+    if sweep is not None:
+        tree["sweep"] = sweep
+    tree |= extra
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def sweep_error(path: Path, overrides=None) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_sweep(path, overrides)
+    return str(err.value)
+
+
+def error_lines(message: str) -> list[str]:
+    """The problem lines under the ``N error(s) in FILE:`` header, stripped."""
+    return [line.strip() for line in message.splitlines()[1:]]
+
+
+def line_of(message: str, prefix: str) -> str:
+    """The one problem line starting with ``prefix`` (fails listing the message if none)."""
+    found = [line for line in error_lines(message) if line.startswith(prefix)]
+    assert found, f"no line starting with {prefix!r} in:\n{message}"
+    return found[0]
+
+
+def error_count(message: str) -> int:
+    match = re.match(r"(\d+) error\(s\) in ", message)
+    assert match, message
+    return int(match.group(1))
+
+
+# 1. the shipped sweep files -------------------------------------------------------------------
+
+
+def test_tune_spaces_directory_holds_the_shipped_sweeps():
+    assert {p.stem for p in TUNE_SPACES} >= {"cusa", "gcl", "gcl_unified", "infonce_temperature", "unified"}
+
+
+@pytest.mark.parametrize("path", TUNE_SPACES + [SHIPPED_CONFIGS / "demo_sweep.yaml"],
+                         ids=[p.stem for p in TUNE_SPACES] + ["configs/demo_sweep"])
+def test_shipped_sweep_file_loads_and_every_checked_point_is_a_valid_trial(path):
+    sweep = load_sweep(path)
+    flat = sweep.base.flat()
+    assert sweep.space, path
+    assert set(sweep.space) <= set(flat), set(sweep.space) - set(flat)
+    points = sweep.points_to_check()
+    assert len(points) > 16  # corners + the seeded random points
+    for point in points:
+        trial = sweep.trial_config(point).flat()
+        for key, value in point.items():
+            assert trial[key] == value, (key, value, trial[key])
+
+
+# 2, 9. keys the base config does not have -----------------------------------------------------
+
+
+def test_parameter_of_another_base_loss_is_not_a_key_of_the_base(tmp_path):
+    path = write_sweep(tmp_path, base=INFONCE, space={"loss.margin": {"uniform": [0.0, 0.3]}})
+    line = line_of(sweep_error(path), "space.loss.margin:")
+    assert "not a key of the base config" in line
+    assert "infonce" in line
+
+
+def test_unknown_key_in_space_is_named(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.magrin": {"uniform": [0.0, 0.3]}})
+    line = line_of(sweep_error(path), "space.loss.magrin:")
+    assert "not a key of the base config" in line and "unknown key" in line
+
+
+def test_key_of_an_unset_optional_section_says_the_section_is_not_set(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.cusa.alpha": {"uniform": [0.05, 0.2]}})
+    line = line_of(sweep_error(path), "space.loss.cusa.alpha:")
+    assert "not a key of the base config" in line
+    assert "loss.cusa is not set there" in line
+
+
+# 3-5. one key's distribution --------------------------------------------------------------------
+
+
+def test_bound_outside_the_field_limits_is_named_with_the_bound(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 3.0]}})
+    message = sweep_error(path)
+    line = line_of(message, "space.loss.margin:")
+    assert "high 3.0" in line
+    assert "less than or equal to 2" in line
+    assert "low 0.0" not in message  # the valid bound is not blamed
+
+
+@pytest.mark.parametrize("key, spec, expected", [
+    ("loss.margin", {"uniform": [0.4, 0.1]}, r"uniform needs low < high, got low=0\.4, high=0\.1"),
+    ("loss.gamma", {"loguniform": [0, 100]}, r"loguniform needs 0 < low"),
+    ("loss.gamma", {"loguniform": [-1.0, 100]}, r"loguniform needs 0 < low"),
+    ("optim.lr", {"quniform": [0.001, 0.01, 0]}, r"quniform needs q > 0"),
+    ("optim.lr", {"quniform": [0.001, 0.01, -0.001]}, r"quniform needs q > 0"),
+    ("optim.lr", {"quniform": [0.001, 0.01]}, r"quniform needs \[low, high, q\]"),
+    ("train.epochs", {"randint": [1.0, 3.0]}, r"randint needs integer bounds"),
+    ("optim.weight_decay", {"normal": [0.0, 1.0]}, r"'uniform', 'loguniform', 'quniform', 'randint'"),
+    ("optim.eps", {"choice": []}, r"choice needs at least one value"),
+    ("optim.eps", {"grid": []}, r"grid needs at least one value"),
+    ("loss.margin", {"uniform": [True, 1]}, r"uniform needs \[low, high\] as numbers"),
+    ("loss.margin", {"uniform": [0.1, 0.2], "choice": [0.3]}, r"write one distribution"),
+], ids=["uniform-unordered", "loguniform-zero-low", "loguniform-negative-low", "quniform-zero-q",
+        "quniform-negative-q", "quniform-no-q", "randint-float-bounds", "unknown-distribution", "empty-choice",
+        "empty-grid", "bool-bound", "two-distributions"])
+def test_malformed_distribution_is_named_by_its_key(tmp_path, key, spec, expected):
+    path = write_sweep(tmp_path, space={key: spec})
+    message = sweep_error(path)
+    assert re.search(expected, line_of(message, f"space.{key}:")), message
+    assert error_count(message) == 1, message
+
+
+def test_infinite_bound_is_refused(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text("base: {config: [pairsim:demo.yaml]}\nspace: {loss.margin: {uniform: [0.0, .inf]}}\n")
+    assert "bounds must be finite" in line_of(sweep_error(path), "space.loss.margin:")
+
+
+def test_uniform_over_an_integer_key_is_refused(tmp_path):
+    path = write_sweep(tmp_path, space={"train.epochs": {"uniform": [1, 3]}}, sweep={"asha": {"max_t": 3}})
+    line = line_of(sweep_error(path), "space.train.epochs:")
+    assert "valid integer" in line
+    assert line.startswith("space.train.epochs: sampled ")  # both corners (1, 3) are integers
+
+
+def test_randint_over_an_integer_key_is_valid(tmp_path):
+    path = write_sweep(tmp_path, space={"train.epochs": {"randint": [1, 3]}}, sweep={"asha": {"max_t": 3}})
+    sweep = load_sweep(path)
+    assert sweep.epochs == 3
+    assert sweep.base.train.epochs == 6  # a swept train.epochs is not overwritten by max_t
+    assert sweep.trial_config({"train.epochs": 2}).train.epochs == 2
+
+
+def test_swept_epochs_need_asha_max_t(tmp_path):
+    path = write_sweep(tmp_path, space={"train.epochs": {"randint": [1, 3]}})
+    assert "needed when train.epochs is swept" in line_of(sweep_error(path), "sweep.asha.max_t:")
+
+
+# 6. the space as a whole ------------------------------------------------------------------------
+
+
+def test_corner_with_init_above_max_is_refused_as_a_point(tmp_path):
+    space = {"loss.temperature.init": {"uniform": [0.02, 0.09]}, "loss.temperature.max": {"uniform": [0.05, 0.2]}}
+    message = sweep_error(write_sweep(tmp_path, base=INFONCE, space=space))
+    lines = error_lines(message)
+    assert lines and all(line.startswith("space: the point ") for line in lines), message
+    assert "'loss.temperature.init': 0.09, 'loss.temperature.max': 0.05" in message  # the bad corner
+    assert "need min <= init <= max" in lines[0]
+
+
+def test_space_whose_every_point_is_ordered_is_valid(tmp_path):
+    space = {"loss.temperature.init": {"uniform": [0.02, 0.09]}, "loss.temperature.max": {"uniform": [0.1, 0.2]}}
+    sweep = load_sweep(write_sweep(tmp_path, base=INFONCE, space=space))
+    assert sweep.base.loss.base == "infonce"
+
+
+# 7. sweep settings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space, sweep, prefix, expected", [
+    ({"loss.margin": {"grid": [0.1, 0.2]}}, {"search": "optuna"}, "sweep.search:", r"optuna .*no grid.*loss\.margin"),
+    ({"loss.margin": {"grid": [0.1, 0.2]}, "loss.gamma": {"uniform": [10, 30]}}, {"search": "grid"},
+     "sweep.search:", r"grid needs every space key to be a grid; not: loss\.gamma$"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "fifo", "asha": {"grace_period": 1}},
+     "sweep", r"asha: only for scheduler asha, not fifo"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"num_samples": 0}, "sweep.num_samples:", r"greater than or equal to 1"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"mode": "min"}, "sweep.mode:", r"'min', but val/rsum is ranked 'max'"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"metric": "t2i_median_rank", "mode": "max"}, "sweep.mode:",
+     r"val/t2i_median_rank is ranked 'min'"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"search": "bayes"}, "sweep.search:", r"'random', 'grid' or 'optuna'"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"asha": {"grace_period": 3, "max_t": 2}},
+     "sweep.asha.grace_period:", r"3 epochs is more than the 2 a trial runs"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"num_sample": 4}, "sweep.num_sample:", r"unknown key"),
+], ids=["optuna-with-grid", "grid-with-uniform", "fifo-with-asha", "zero-samples", "min-for-rsum",
+        "max-for-median-rank", "unknown-search", "grace-beyond-max-t", "misspelt-setting"])
+def test_bad_sweep_setting_is_named(tmp_path, space, sweep, prefix, expected):
+    message = sweep_error(write_sweep(tmp_path, space=space, sweep=sweep))
+    line = line_of(message, prefix)
+    assert re.search(expected, line), message
+    if prefix == "sweep":  # fifo-with-asha: the line names asha
+        assert "asha" in line
+    assert error_count(message) == 1, message
+
+
+def test_unknown_metric_is_refused_under_sweep_metric(tmp_path):
+    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 3.0]}},
+                                      sweep={"metric": "nonsense"}))
+    assert re.search(r"select_metric: 'nonsense' is not a metric", line_of(message, "sweep.metric:")), message
+    assert "Value error" not in message
+    assert line_of(message, "space.loss.margin:")  # the space is still checked
+
+
+def test_one_bad_sweep_setting_does_not_hide_the_others(tmp_path):
+    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                      sweep={"num_samples": 0, "search": "grid", "mode": "min"}))
+    assert line_of(message, "sweep.num_samples:") and line_of(message, "sweep.mode:")
+    assert "grid" in line_of(message, "sweep.search:")
+
+
+def test_quniform_bounds_must_be_multiples_of_q(tmp_path):
+    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"quniform": [0.05, 0.35, 0.1]}}))
+    assert "multiples of q" in line_of(message, "space.loss.margin:")
+
+
+def test_a_set_on_an_empty_space_or_sweep_section(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("base: {config: [pairsim:demo.yaml]}\nspace:\nsweep:\n")
+    sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}", "sweep.num_samples=3"])
+    assert sweep.settings.num_samples == 3 and list(sweep.space) == ["loss.margin"]
+
+
+def test_a_bad_base_config_entry_is_named_once(tmp_path):
+    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                      base={"config": [3]}))
+    assert line_of(message, "base.config: expected a path") and "base.config: base.config" not in message
+
+
+def test_known_metric_sets_the_sweeps_metric_and_mode(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                   sweep={"metric": "t2i_median_rank"}))
+    assert (sweep.metric, sweep.mode) == ("val/t2i_median_rank", "min")
+    assert sweep.base.eval.select_metric == "t2i_median_rank"
+
+
+def test_unknown_top_level_section_and_empty_space_are_named(tmp_path):
+    message = sweep_error(write_sweep(tmp_path, space={}, sweeps={"num_samples": 2}))
+    assert "needs at least one key" in line_of(message, "space:")
+    assert "unknown key" in line_of(message, "sweeps:")
+    assert error_count(message) == 2
+
+
+# 8. every problem at once -----------------------------------------------------------------------
+
+
+def test_all_independent_problems_are_reported_in_one_error(tmp_path):
+    path = write_sweep(tmp_path, space={
+        "loss.margin": {"uniform": [0.0, 3.0]},      # a bound beyond the field's limit
+        "loss.nope": {"uniform": [0.1, 0.2]},        # not a key
+        "optim.lr": {"uniform": [0.4, 0.1]},         # unordered bounds
+    }, sweep={"num_samples": 0})                     # a bad setting
+    message = sweep_error(path)
+    assert message.splitlines()[0] == f"4 error(s) in {path}:"
+    assert error_count(message) == len(error_lines(message)) == 4
+    assert "high 3.0" in line_of(message, "space.loss.margin:")
+    assert "not a key of the base config" in line_of(message, "space.loss.nope:")
+    assert "low < high" in line_of(message, "space.optim.lr:")
+    assert line_of(message, "sweep.num_samples:")
+
+
+# 10. --set overrides -----------------------------------------------------------------------------
+
+
+def test_overrides_set_sweep_settings_and_base_keys(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}}, sweep={"num_samples": 8})
+    plain = load_sweep(path)
+    assert (plain.settings.num_samples, plain.base.train.epochs) == (8, 6)
+    sweep = load_sweep(path, ["sweep.num_samples=3", "train.epochs=2"])
+    assert sweep.settings.num_samples == 3
+    assert sweep.base.train.epochs == 2
+    assert sweep.epochs == 2
+
+
+def test_space_override_replaces_the_distribution(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"uniform": [10, 30]}})
+    sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}"])
+    assert sweep.space["loss.margin"] == Distribution(kind="uniform", args=[0.0, 0.2])
+    assert sweep.space["loss.gamma"].args == [10, 30]  # the other keys stay
+
+
+def test_space_override_is_validated_like_the_file(tmp_path):
+    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}})
+    message = sweep_error(path, ["space.loss.margin={uniform: [0.0, 3.0]}", "sweep.num_samples=0"])
+    assert "high 3.0" in line_of(message, "space.loss.margin:")
+    assert line_of(message, "sweep.num_samples:")
+
+
+# 11. partly written CUSA temperatures ---------------------------------------------------------
+
+
+def test_sweeping_a_cusa_temperature_init_keeps_the_unimodal_defaults(tmp_path):
+    base = {"config": ["pairsim:demo.yaml", "pairsim:objectives/cusa_unified.yaml"]}
+    sweep = load_sweep(write_sweep(tmp_path, base=base,
+                                   space={"loss.cusa.cross_temperature.init": {"uniform": [0.1, 1.0]}}))
+    temperature = sweep.base.loss.cusa.cross_temperature
+    assert (temperature.min, temperature.max) == (0.1, 1.0)
+    for init in (0.1, 1.0):
+        trial = sweep.trial_config({"loss.cusa.cross_temperature.init": init}).loss.cusa.cross_temperature
+        assert (trial.init, trial.min, trial.max) == (init, 0.1, 1.0)
+
+
+def test_load_config_with_a_partly_written_cusa_temperature_keeps_the_unimodal_defaults():
+    cfg = load_config(SHIPPED_CONFIGS / "objectives" / "cusa_unified.yaml", ["loss.cusa.cross_temperature.init=0.5"])
+    temperature = cfg.loss.cusa.cross_temperature
+    assert (temperature.init, temperature.min, temperature.max) == (0.5, 0.1, 1.0)
+    assert cfg.loss.base_params.margin == 0.1  # the objective's own values stay
+
+
+# 12. Distribution ----------------------------------------------------------------------------------
+
+
+def test_randint_corners_exclude_high():
+    assert Distribution.model_validate({"randint": [1, 5]}).corners() == [1, 4]
+
+
+def test_quniform_corners_are_multiples_of_q():
+    corners = Distribution.model_validate({"quniform": [0.1, 0.3, 0.1]}).corners()
+    assert len(corners) == 2 and corners[0] < corners[1]
+    for corner in corners:
+        assert math.isclose(corner / 0.1, round(corner / 0.1), abs_tol=1e-9), corners
+
+
+def test_choice_and_grid_corners_are_every_value():
+    assert Distribution.model_validate({"choice": [16, 32, 64]}).corners() == [16, 32, 64]
+    assert Distribution.model_validate({"grid": [True, False]}).corners() == [True, False]
+
+
+@pytest.mark.parametrize("spec", [
+    {"uniform": [0.1, 0.4]}, {"loguniform": [1e-4, 1e-1]}, {"quniform": [0.1, 0.5, 0.1]},
+    {"randint": [1, 5]}, {"choice": [16, 32, 64]}, {"grid": ["a", "b"]},
+], ids=lambda s: next(iter(s)))
+def test_samples_stay_inside_the_bounds(spec):
+    dist = Distribution.model_validate(spec)
+    rng = np.random.default_rng(1)
+    draws = [dist.sample(rng) for _ in range(200)]
+    if dist.kind in ("choice", "grid"):
+        assert set(draws) == set(dist.args)
+        return
+    low, high = dist.args[:2]
+    if dist.kind == "randint":
+        assert all(isinstance(d, int) for d in draws)
+        assert set(draws) == set(range(low, high))  # high excluded, every other value drawn
+        return
+    assert all(isinstance(d, float) for d in draws)
+    assert all(low - 1e-12 <= d <= high + 1e-12 for d in draws), (min(draws), max(draws))
+    assert max(draws) - min(draws) > (high - low) / 2  # spread over the range, not stuck at one value
+    if dist.kind == "quniform":
+        q = dist.args[2]
+        assert all(math.isclose(d / q, round(d / q), abs_tol=1e-9) for d in draws)
+    if dist.kind == "loguniform":  # log-uniform: about half the draws below the geometric mean
+        below = sum(d < math.sqrt(low * high) for d in draws)
+        assert 60 < below < 140, below
+
+
+def test_domain_gives_ray_tune_search_objects():
+    from ray.tune.search import sample
+
+    def domain(spec):
+        return Distribution.model_validate(spec).domain()
+
+    for spec in ({"uniform": [0.0, 0.4]}, {"loguniform": [10, 100]}, {"quniform": [0.1, 0.5, 0.1]}):
+        dom = domain(spec)
+        assert isinstance(dom, sample.Float), spec
+        assert (dom.lower, dom.upper) == tuple(next(iter(spec.values()))[:2])
+    assert isinstance(domain({"loguniform": [10, 100]}).get_sampler(), sample.LogUniform)
+    integer = domain({"randint": [1, 5]})
+    assert isinstance(integer, sample.Integer) and (integer.lower, integer.upper) == (1, 5)
+    categorical = domain({"choice": [16, 32]})
+    assert isinstance(categorical, sample.Categorical) and categorical.categories == [16, 32]
+    assert domain({"grid": [0.1, 0.2]}) == {"grid_search": [0.1, 0.2]}
+
+
+# 13, 14. digest, params, epochs ----------------------------------------------------------------
+
+
+def test_digest_is_stable_for_the_same_file_and_changes_with_a_bound(tmp_path):
+    space = {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 100]}}
+    first = load_sweep(write_sweep(tmp_path, space=space, name="a.yaml"))
+    again = load_sweep(write_sweep(tmp_path, space=space, name="b.yaml"))
+    assert first.digest() == again.digest()
+    assert len(first.digest()) == 64
+    changed = dict(space, **{"loss.margin": {"uniform": [0.0, 0.3]}})
+    assert load_sweep(write_sweep(tmp_path, space=changed, name="c.yaml")).digest() != first.digest()
+    assert load_sweep(write_sweep(tmp_path, space=space, name="d.yaml"),
+                      ["train.epochs=3"]).digest() != first.digest()  # the base counts too
+
+
+def test_params_name_the_space_and_the_settings(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}},
+                                   sweep={"search": "optuna", "num_samples": 5}))
+    params = sweep.params()
+    assert params["space.loss.margin"] == "uniform[0.0, 0.4]"
+    assert params["sweep.search"] == "optuna"
+    assert params["sweep.num_samples"] == 5
+    assert (params["sweep.metric"], params["sweep.mode"]) == ("val/rsum", "max")
+    assert params["base.sha256"] == sweep.digest()[:16]
+
+
+def test_asha_max_t_caps_the_base_epochs(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}},
+                                   sweep={"asha": {"max_t": 2}}))
+    assert sweep.base.train.epochs == 2
+    assert sweep.epochs == 2
+    assert sweep.trial_config({"loss.margin": 0.2}).train.epochs == 2
+
+
+def test_without_max_t_a_trial_runs_the_base_epochs(tmp_path):
+    for settings in ({"scheduler": "fifo"}, {"asha": {"grace_period": 2}}):
+        sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}}, sweep=settings))
+        assert sweep.base.train.epochs == sweep.epochs == 6
