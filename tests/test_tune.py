@@ -171,3 +171,21 @@ def test_a_sweep_driver_killed_mid_sweep_resumes_into_the_same_parent(ray_instan
     interrupted = next(c for c in after if c.data.tags[tracking.RUN_NAME_TAG] in set(before) - set(ended))
     assert interrupted.data.tags["pairsim.attempts"] == "2"
     assert "resumed" in resumed.stdout + resumed.stderr
+
+
+def test_trials_that_do_not_fit_the_cluster_are_refused_before_the_sweep(ray_instance, tiny_dataset, tmp_path):
+    """The session's instance has 4 CPUs: a trial of 4 workers + 1 Data CPU does not fit, nor do
+    3 concurrent trials of 1 + 1; 2 of them do."""
+    from pairsim.config import ConfigError
+    from pairsim.tune.sweep import concurrency
+
+    def sweep_with(**settings):
+        path = write_sweep(tmp_path / "fit.yaml", tiny_dataset, tmp_path / "ray", f"sqlite:///{tmp_path}/m.db",
+                           {"loss.margin": {"uniform": [0.05, 0.3]}}, {"scheduler": "fifo", **settings})
+        return load_sweep(path)
+
+    with pytest.raises(ConfigError, match=r"sweep\.resources: one trial needs 5 CPU"):
+        concurrency(sweep_with(resources={"num_workers": 4}))
+    with pytest.raises(ConfigError, match=r"sweep\.max_concurrent_trials: 3 trials .* \(2 do\)"):
+        concurrency(sweep_with(max_concurrent_trials=3))
+    assert concurrency(sweep_with()) == 2 and concurrency(sweep_with(max_concurrent_trials=1)) == 1
