@@ -71,7 +71,6 @@ def main() -> None:
     rows = {}
     for scheduler in ("fifo", "asha"):
         sweep = load_sweep(sweep_file(out, data, args, scheduler))
-        driver.init_ray(sweep.base)
         started = time.perf_counter()
         outcome = run_sweep(sweep, f"bench-{scheduler}-{stamp}")
         wall = time.perf_counter() - started
