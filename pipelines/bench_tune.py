@@ -25,7 +25,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pairsim import tracking
-from pairsim.data import shards, synth
+from pairsim.data import synth
 from pairsim.train import driver
 from pairsim.tune.space import load_sweep
 from pairsim.tune.sweep import run_sweep
@@ -61,11 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    data = out / f"shapes-{args.num_train}"
-    try:
-        shards.read_manifest(data)
-    except FileNotFoundError:
-        synth.generate(data, num_train=args.num_train, num_val=args.num_val, num_test=0)
+    data = synth.ensure(out / f"shapes-{args.num_train}", num_train=args.num_train, num_val=args.num_val, num_test=0)
 
     stamp = time.strftime("%H%M%S")
     rows = {}

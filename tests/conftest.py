@@ -3,6 +3,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import urllib.request
 from pathlib import Path
 
@@ -28,11 +29,22 @@ def unused_port() -> int:
     return unused_ports(1)[0]
 
 
+class _RankFailed(str):
+    """A spawned rank's traceback."""
+
+
 def _gloo_rank(rank, world, port, fn, args, out):
     import torch.distributed as dist
 
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # what DeepSpeed checks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    out.put((rank, fn(rank, world, *args)))
+    try:
+        out.put((rank, fn(rank, world, *args)))
+    except BaseException:
+        out.put((rank, _RankFailed(traceback.format_exc())))  # the parent fails now, not at its timeout
+        out.close()
+        out.join_thread()
+        os._exit(1)
     out.close()
     out.join_thread()  # the result is in the pipe before os._exit below
     dist.barrier()  # no rank tears gloo down while another is still in a collective
@@ -54,7 +66,14 @@ def on_gloo_ranks(fn, *args, world: int = 2, timeout: float = 300) -> dict:
     procs = [ctx.Process(target=_gloo_rank, args=(rank, world, port, fn, args, out)) for rank in range(world)]
     for proc in procs:
         proc.start()
-    results = dict(out.get(timeout=timeout) for _ in procs)
+    results = {}
+    for _ in procs:
+        rank, result = out.get(timeout=timeout)
+        if isinstance(result, _RankFailed):
+            for proc in procs:
+                proc.kill()
+            raise AssertionError(f"gloo rank {rank} failed:\n{result}")
+        results[rank] = result
     for proc in procs:
         proc.join(timeout=60)
         assert proc.exitcode == 0, f"a gloo rank exited with {proc.exitcode}"

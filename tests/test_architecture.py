@@ -60,13 +60,13 @@ def test_readme_metric_example_registers_a_family_the_suite_computes():
 import numpy as np, torch
 from pairsim.config import load_config
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split
-from pairsim.models.fusion import ScoreSumFusion
+from pairsim.models.fusion import NormalizedSumFusion
 g = torch.Generator().manual_seed(0)
 image = torch.nn.functional.normalize(torch.randn(12, 8, generator=g), dim=-1)
 text = torch.nn.functional.normalize(image.repeat_interleave(3, 0) + 0.3 * torch.randn(36, 8, generator=g), dim=-1)
 ids = np.array([str(i) for i in range(12)])
 emb = SplitEmbeddings(image, ids, np.arange(12) % 3, text, ids.repeat(3), np.tile(np.arange(3), 12))
-metrics = evaluate_split(emb, ScoreSumFusion(), (1, 5)).metrics
+metrics = evaluate_split(emb, NormalizedSumFusion(), (1, 5)).metrics
 assert {"f2t_R@1", "f2t_R@5", "f2t_mAP@R", "f2t_median_rank"} <= set(metrics), sorted(metrics)
 assert load_config(None, ["eval.select_metric=f2t_median_rank"]).eval.select_mode == "min"
 """

@@ -230,7 +230,7 @@ def test_shipped_configs_load_and_round_trip(files):
         assert flat["loss.gcl_mask_self"] is True
     if cfg.loss.cusa is not None:
         assert flat["loss.cusa.text_teacher.kind"] == "sentence_transformers"
-        assert flat["loss.cusa.text_teacher.max_length"] == 24
+        assert flat["loss.cusa.text_teacher.max_length"] == cfg.loss.cusa.text_teacher.params.max_length
         assert "loss.cusa.text_teacher.path" in flat and "loss.cusa.image_teacher.path" not in flat
 
 

@@ -9,7 +9,7 @@ from PIL import Image
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 from pairsim.eval.report import grid_heatmap, retrieval_gallery
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split, grid_items, modality_grid, unimodal_metrics
-from pairsim.models.fusion import ScoreSumFusion
+from pairsim.models.fusion import NormalizedSumFusion
 
 
 def reference_metrics(sim, positives, ks):
@@ -133,7 +133,7 @@ def test_grid_items_use_another_caption_for_keys_than_for_queries():
 def test_modality_grid_on_a_known_geometry():
     """Images a, b are orthogonal to every caption: image↔text ties, broken towards item a (50 %).
     Captions of one item point the same way, so text↔text and everything fused find their item."""
-    grid = modality_grid(tiny_split(), ScoreSumFusion())
+    grid = modality_grid(tiny_split(), NormalizedSumFusion())
     np.testing.assert_allclose(grid[1], [[100, 50, 100], [50, 100, 100], [100, 100, 100]])
     np.testing.assert_allclose(grid[5], np.full((3, 3), 100.0))
 
@@ -156,7 +156,7 @@ def test_unimodal_metrics_skip_images_without_class_labels():
 
 def test_evaluate_split_reports_every_family_and_draws_its_pictures(tmp_path):
     split = tiny_split()
-    report = evaluate_split(split, ScoreSumFusion(), ks=(1, 5))
+    report = evaluate_split(split, NormalizedSumFusion(), ks=(1, 5))
     # a scores 0 with every caption: the tie goes to row 0 (a/1), a hit; b and c rank c/0 or b/0 first
     assert report.metrics["i2t_R@1"] == pytest.approx(100 / 3) and report.metrics["rsum"] == pytest.approx(
         sum(report.metrics[f"{d}_R@{k}"] for d in ("i2t", "t2i") for k in (1, 5)))
@@ -173,3 +173,38 @@ def test_evaluate_split_reports_every_family_and_draws_its_pictures(tmp_path):
     for path in (heatmap, gallery):
         with Image.open(path) as image:
             assert image.format == "PNG" and np.asarray(image.convert("L")).std() > 10
+
+
+def test_split_from_raw_outputs_is_scored_by_cosine_and_fused_from_the_raw_outputs():
+    """Heads give outputs of any norm: the split keeps them L2-normalised (ranking by cosine, not
+    by dot product) with their norms, and ``raw_sum`` fuses the outputs as the model gave them."""
+    from pairsim.models.fusion import RawSumFusion
+
+    rng = np.random.default_rng(0)
+    image, text = rng.normal(size=(4, 3)) * [[1], [5], [0.2], [3]], rng.normal(size=(8, 3)) * 7
+    batches = [{"image_ids": np.array(["a", "b", "c", "d"]), "labels": np.array([0, 0, 1, 1]),
+                "image": image.astype(np.float32)},
+               {"text_image_ids": np.repeat(["a", "b", "c", "d"], 2), "caption_index": np.tile([0, 1], 4),
+                "text": text.astype(np.float32)}]
+    split = SplitEmbeddings.from_batches(batches)
+    torch.testing.assert_close(split.image.norm(dim=1), torch.ones(4))
+    torch.testing.assert_close(split.text.norm(dim=1), torch.ones(8))
+    rows = np.array([1, 3])
+    torch.testing.assert_close(split.raw("image", rows), torch.from_numpy(image[rows]).float())
+    cosine = (image / np.linalg.norm(image, axis=1, keepdims=True)) @ (text / np.linalg.norm(text, axis=1,
+                                                                                              keepdims=True)).T
+    i2t = retrieval_metrics(torch.from_numpy(cosine), torch.from_numpy(np.repeat(np.eye(4, dtype=bool), 2, axis=1)),
+                            (1, 5))
+    assert evaluate_split(split, NormalizedSumFusion(), (1, 5)).metrics["i2t_R@1"] == pytest.approx(i2t["R@1"])
+    seen = []
+
+    class Recording(RawSumFusion):
+        def forward(self, image, text):
+            seen.append((image, text))
+            return super().forward(image, text)
+
+    modality_grid(split, Recording(), (1,))
+    (query_image, query_text), (key_image, key_text) = seen  # the grid's fused queries, then its keys
+    torch.testing.assert_close(query_image, torch.from_numpy(image).float())  # the outputs as the model gave them
+    torch.testing.assert_close(query_text, torch.from_numpy(text[0::2]).float())  # caption 0 of each image
+    torch.testing.assert_close(key_text, torch.from_numpy(text[1::2]).float())

@@ -206,6 +206,49 @@ def test_objective_total_is_base_plus_weighted_cusa_terms():
     assert set(out) >= {"temperature/cross", "temperature/image", "temperature/text"}
 
 
+def official_cusa(f, idx, tau, cross_tau, image_tau, text_tau, alpha, beta):
+    """The CUSA authors' loss, transcribed from lerogo/aaai24_itr_cusa ``unire/model.py`` (mode
+    ``mean``, ``use_loss: kl``, ``cross_softlabel_mode: each``, soft-label τ 1) in float64."""
+    norm = lambda x: x / x.norm(dim=1, keepdim=True)  # noqa: E731  (get_similarity)
+    logits_per_image = norm(f["image"]) @ norm(f["text"]).t()
+    logits_per_text = logits_per_image.t()
+    idx = idx.view(-1, 1)
+    pos_idx = torch.eq(idx, idx.t()).double()
+    sim_targets = pos_idx / pos_idx.sum(1, keepdim=True)
+    loss_i2t = -torch.mean(F.log_softmax(logits_per_image / tau, dim=1) * sim_targets, dim=1).mean()
+    loss_t2i = -torch.mean(F.log_softmax(logits_per_text / tau, dim=1) * sim_targets, dim=1).mean()
+    contrastive = (loss_i2t + loss_t2i) / 2.0
+    soft_image = norm(f["teacher_image"]) @ norm(f["teacher_image"]).t()
+    soft_text = norm(f["teacher_text"]) @ norm(f["teacher_text"]).t()
+
+    def kl(logits, softlabel, t):  # KLContrastiveSimLoss
+        return F.kl_div(F.log_softmax(logits / t, dim=1), F.softmax(softlabel / 1.0, dim=1), reduction="batchmean")
+
+    cross = (kl(logits_per_image, soft_image, cross_tau) + kl(logits_per_text, soft_text, cross_tau)) / 2.0 * alpha
+    uni_image, uni_text = norm(f["image_unimodal"]), norm(f["text_unimodal"])
+    uni = (kl(uni_image @ uni_image.t(), soft_image, image_tau) + kl(uni_text @ uni_text.t(), soft_text, text_tau)) / 2.0
+    return cross + uni * beta + contrastive
+
+
+CUSA_PAPER = ["loss.base=infonce", "loss.cusa={image_teacher: {kind: initial_student}, reduction: paper}"]
+
+
+@pytest.mark.parametrize("b", [2, 12, 33, 128])
+def test_cusa_paper_reduction_is_the_authors_loss(b):
+    groups = torch.arange(b) // 3  # three pairs per image: the code's idx
+    f = features(b, 90 + b)
+    objective = build_objective(load_config(None, CUSA_PAPER).loss).double()
+    out = objective(**f, group_ids=groups)
+    taus = [t.item() for t in (objective.structure.base.temperature(), *objective.cusa.temperatures().values())]
+    assert taus == pytest.approx([0.05, 0.45, 0.45, 0.45])  # the paper's (cross, image, text: dict order)
+    expected = official_cusa(f, groups, *taus, alpha=0.1, beta=0.5)
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-12, abs=1e-15)
+    # the two reductions differ by 2B on the base term only
+    pairsim = build_objective(load_config(None, CUSA_PAPER + ["loss.cusa.reduction=pairsim"]).loss).double()
+    assert pairsim(**f, group_ids=groups)["loss/base"].item() == pytest.approx(2 * b * out["loss/base"].item(),
+                                                                               rel=1e-12)
+
+
 def test_module_losses_equal_the_functional_ones():
     """The structure modules (rows × global columns machinery) against the whole-matrix functions."""
     f = features(12, 50)
@@ -279,6 +322,7 @@ MODULES = {
     "cusa_unified": ["loss.base=unified", "loss.gamma=30", "loss.cusa={image_teacher: {kind: initial_student}}"],
     "gcl_cusa_infonce": ["loss.structure=gcl", "loss.base=infonce",
                          "loss.cusa={image_teacher: {kind: initial_student}}"],
+    "cusa_paper": CUSA_PAPER,
 }
 B = 12
 

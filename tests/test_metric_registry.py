@@ -15,7 +15,7 @@ from pairsim.config import BuildConfig, ConfigError, load_config
 from pairsim.data import shards, sources
 from pairsim.eval import suite
 from pairsim.eval.report import format_report
-from pairsim.models.fusion import ScoreSumFusion
+from pairsim.models.fusion import NormalizedSumFusion
 from pairsim.registry import DATA_FORMATS, FUSIONS, METRICS
 from pairsim.train import driver
 from test_evaluate import tiny_split
@@ -65,7 +65,7 @@ def test_evaluate_split_reports_exactly_the_registered_names_for_its_data(labels
     split = tiny_split()
     split.labels = np.array(labels)
     assert suite.DataFacts.of(split) == facts
-    report = suite.evaluate_split(split, ScoreSumFusion(), ks=(1, 5))
+    report = suite.evaluate_split(split, NormalizedSumFusion(), ks=(1, 5))
     assert list(report.metrics) == list(suite.metric_names((1, 5), facts))
     assert any(n.startswith("i2i_") for n in report.metrics) == facts.has_labels
     assert sorted(report.grid) == list(suite.GRID_KS)
@@ -80,7 +80,7 @@ def test_a_split_without_multi_caption_images_reports_no_text2text_or_grid():
         split.caption_index[keep]
     facts = suite.DataFacts.of(split)
     assert facts == suite.DataFacts(has_labels=True, has_multi_caption=False)
-    report = suite.evaluate_split(split, ScoreSumFusion(), ks=(1,))
+    report = suite.evaluate_split(split, NormalizedSumFusion(), ks=(1,))
     assert list(report.metrics) == list(suite.metric_names((1,), facts))
     assert not any(n.startswith(("t2t_", "grid_")) for n in report.metrics) and report.grid == {}
     assert "modality grid" not in format_report(report.metrics, ks=(1,))
@@ -170,6 +170,6 @@ def test_list_source_passes_a_formats_own_options(tmp_path):
 # --------------------------------------------------------------------------- fusions
 
 def test_model_fusion_is_a_registered_name():
-    assert load_config(None, ["model.fusion=score_sum"]).model.fusion in FUSIONS
-    with pytest.raises(ConfigError, match="model.fusion: not a registered name.*score_sum"):
+    assert load_config(None, ["model.fusion=normalized_sum"]).model.fusion in FUSIONS
+    with pytest.raises(ConfigError, match="model.fusion: not a registered name.*normalized_sum"):
         load_config(None, ["model.fusion=concat"])

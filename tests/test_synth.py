@@ -52,3 +52,12 @@ def test_captions_name_the_first_objects_colour_and_relation_words():
         words = synth.COLOURS[colour][1]
         for caption in record["captions"]:
             assert any(w in caption for w in words), (record["label_name"], caption)
+
+
+def test_ensure_generates_once_and_then_keeps_what_is_there(tmp_path):
+    out = synth.ensure(tmp_path / "shapes", num_train=8, num_val=4, num_test=0, progress=False)
+    manifest = out / "manifest.json"
+    first = manifest.stat().st_mtime_ns
+    assert shards.read_manifest(out)["splits"]["train"]["images"] == 8
+    synth.ensure(out, num_train=99, num_val=4, num_test=0, progress=False)  # other sizes: left alone
+    assert manifest.stat().st_mtime_ns == first and shards.read_manifest(out)["splits"]["train"]["images"] == 8

@@ -70,18 +70,28 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset)
     for key in ["train/loss", "train/lr", "train/samples_per_s", "val/i2t_R1", "val/i2t_R5", "val/i2t_R10",
                 "val/t2i_R1", "val/t2i_R5", "val/t2i_R10", "val/rsum", "val/i2t_mAPR", "val/t2i_R-P",
                 "val/t2i_median_rank", "val/i2i_R1", "val/t2t_mAPR", "val/grid_text2fused_R1",
-                "val/grid_fused2image_R5", "data/skipped_images", "test/rsum", "test/i2i_R-P", "test/grid_text2text_R1"]:
+                "val/grid_fused2image_R5", "data/skipped_images", "test/rsum", "test/i2i_R-P", "test/grid_text2text_R1",
+                "val/sim/positive_mean", "val/sim/hardest_negative_mean", "val/sim/gap"]:
         assert key in run.data.metrics, key
     assert run.data.metrics["data/skipped_images"] == 0
     # eval metrics once per epoch, at the epoch's last step
     rsum = history(client, first.mlflow_run_id, "val/rsum")
     assert [s for s, _ in rsum] == [STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3, 4)]
+    # and the positive vs hardest-negative similarities with them, a histogram per epoch
+    for key in ("val/sim/positive_mean", "val/sim/hardest_negative_mean", "val/sim/gap"):
+        assert [s for s, _ in history(client, first.mlflow_run_id, key)] == [s for s, _ in rsum], key
+    gaps = dict(history(client, first.mlflow_run_id, "val/sim/gap"))
+    positives = dict(history(client, first.mlflow_run_id, "val/sim/positive_mean"))
+    negatives = dict(history(client, first.mlflow_run_id, "val/sim/hardest_negative_mean"))
+    assert all(-1 <= negatives[s] <= 1 and gaps[s] == pytest.approx(positives[s] - negatives[s]) for s in gaps)
     # the best checkpoint is the best val epoch's (by RSUM), test evaluated with it at the end of each attempt
     best_epoch = max(range(4), key=lambda e: (rsum[e][1], e)) + 1
     assert int(run.data.tags["pairsim.best_epoch"]) == best_epoch
     assert len(history(client, first.mlflow_run_id, "test/rsum")) == 2
     artifacts = {a.path for a in client.list_artifacts(first.mlflow_run_id)}
-    assert {"config.yaml", "config-attempt2.yaml", "deepspeed_config.json", "model", "eval"} <= artifacts
+    assert {"config.yaml", "config-attempt2.yaml", "deepspeed_config.json", "model", "eval", "similarity"} <= artifacts
+    assert {a.path for a in client.list_artifacts(first.mlflow_run_id, "similarity")} == {
+        f"similarity/epoch_{epoch:03d}.png" for epoch in (1, 2, 3, 4)}
     assert {a.path for a in client.list_artifacts(first.mlflow_run_id, "eval")} == {
         "eval/test.json", "eval/test_modality_grid.png", "eval/test_gallery.png"}
     assert load_config(artifact_file(client, first.mlflow_run_id, "config.yaml")).train.epochs == 3

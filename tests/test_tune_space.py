@@ -305,22 +305,26 @@ def test_space_override_is_validated_like_the_file(tmp_path):
 # 11. partly written CUSA temperatures ---------------------------------------------------------
 
 
-def test_sweeping_a_cusa_temperature_init_keeps_the_unimodal_defaults(tmp_path):
+def test_sweeping_a_cusa_temperature_init_keeps_its_own_defaults(tmp_path):
     base = {"config": ["pairsim:demo.yaml", "pairsim:objectives/cusa_unified.yaml"]}
     sweep = load_sweep(write_sweep(tmp_path, base=base,
-                                   space={"loss.cusa.cross_temperature.init": {"uniform": [0.1, 1.0]}}))
-    temperature = sweep.base.loss.cusa.cross_temperature
-    assert (temperature.min, temperature.max) == (0.1, 1.0)
-    for init in (0.1, 1.0):
-        trial = sweep.trial_config({"loss.cusa.cross_temperature.init": init}).loss.cusa.cross_temperature
-        assert (trial.init, trial.min, trial.max) == (init, 0.1, 1.0)
+                                   space={"loss.cusa.cross_temperature.init": {"uniform": [0.1, 0.99]},
+                                          "loss.cusa.text_temperature.init": {"uniform": [0.1, 1.0]}}))
+    assert (sweep.base.loss.cusa.cross_temperature.min, sweep.base.loss.cusa.cross_temperature.max) == (0.1, 0.99)
+    for init in (0.1, 0.99):
+        trial = sweep.trial_config({"loss.cusa.cross_temperature.init": init, "loss.cusa.text_temperature.init": 1.0})
+        cross, text = trial.loss.cusa.cross_temperature, trial.loss.cusa.text_temperature
+        assert (cross.init, cross.min, cross.max) == (init, 0.1, 0.99)  # the authors' τ_c range
+        assert (text.init, text.min, text.max) == (1.0, 0.1, 1.0)
 
 
-def test_load_config_with_a_partly_written_cusa_temperature_keeps_the_unimodal_defaults():
-    cfg = load_config(SHIPPED_CONFIGS / "objectives" / "cusa_unified.yaml", ["loss.cusa.cross_temperature.init=0.5"])
-    temperature = cfg.loss.cusa.cross_temperature
-    assert (temperature.init, temperature.min, temperature.max) == (0.5, 0.1, 1.0)
-    assert cfg.loss.base_params.margin == 0.1  # the objective's own values stay
+def test_load_config_with_a_partly_written_cusa_temperature_keeps_its_own_defaults():
+    cfg = load_config(SHIPPED_CONFIGS / "objectives" / "cusa_unified.yaml", ["loss.cusa.cross_temperature.init=0.5",
+                                                                             "loss.cusa.image_temperature.init=0.5"])
+    cross, image = cfg.loss.cusa.cross_temperature, cfg.loss.cusa.image_temperature
+    assert (cross.init, cross.min, cross.max) == (0.5, 0.1, 0.99)
+    assert (image.init, image.min, image.max) == (0.5, 0.1, 1.0)
+    assert cfg.loss.base_params.margin == 0.2  # the objective's own values stay
 
 
 # 12. Distribution ----------------------------------------------------------------------------------

@@ -133,13 +133,10 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _ensure_demo_data(path: Path, **sizes: int) -> None:
-    from pairsim.data import shards, synth
+    from pairsim.data import synth
 
-    try:
-        shards.read_manifest(path)
-    except FileNotFoundError:
-        logger.info("generating the shapes dataset in %s", path)
-        synth.generate(path, **sizes)
+    logger.info("the shapes dataset in %s (generated if absent)", path)
+    synth.ensure(path, **sizes)
 
 
 def _demo(objective: str | None, overrides: list[str], sweep: bool) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, Strict, ValidationError,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, Strict, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
@@ -78,8 +78,9 @@ class ModelConfig(_Section):
     arch: str = "pairsim-tiny"
     pretrained: str | None = Field(None, description="open_clip tag or local weights file")
     fusion: Annotated[str, _registered(FUSIONS)] = Field(
-        "score_sum", description="fused image+text embedding for GCL, a name registered in "
-                                 "pairsim.registry.FUSIONS (pairsim.models.fusion)")
+        "normalized_sum", description="fused image+text embedding for GCL, a name registered in "
+                                      "pairsim.registry.FUSIONS (pairsim.models.fusion): normalized_sum "
+                                      "or raw_sum (UniIR's CLIP-SF)")
     crossmodal_heads: Bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
 
 
@@ -100,6 +101,10 @@ class TemperatureConfig(_Section):
 
 def _unimodal_temperature() -> TemperatureConfig:
     return TemperatureConfig(init=0.45, min=0.1, max=1.0)
+
+
+def _cross_temperature() -> TemperatureConfig:
+    return TemperatureConfig(init=0.45, min=0.1, max=0.99)  # the CUSA code's (image_tau_max + text_tau_max) / 2
 
 
 def _params_of(registry: Registry, name: Any) -> type[Section] | None:
@@ -211,11 +216,21 @@ class TeacherConfig(_WithParams):
 
 
 class CUSAConfig(_Section):
-    """CUSA soft-label terms (Huang et al., AAAI 2024): total = base + α·CSA + β·USA."""
+    """CUSA soft-label terms (Huang et al., AAAI 2024): total = w·base + α·CSA + β·USA.
+
+    ``reduction`` sets w, how the base balances against α and β: ``pairsim`` (w = 1: the base as
+    every other pairsim objective reduces it, a mean over anchors with both directions summed)
+    or ``paper`` (w = 1/(2B), B the global batch: the authors' code, whose base is the per-row
+    *mean* of −log p · target over the B columns, the two directions averaged). The paper's
+    α = 0.1, β = 0.5 mean what they say only under ``paper``; under ``pairsim`` the soft-label
+    terms weigh 2B times less.
+    """
 
     alpha: Float = Field(0.1, ge=0.0, description="weight α of the cross-modal term CSA")
     beta: Float = Field(0.5, ge=0.0, description="weight β of the uni-modal term USA")
-    cross_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_c")
+    reduction: Literal["pairsim", "paper"] = Field(
+        "pairsim", description="base weight w: pairsim (1) or paper (1/(2B), the authors' code)")
+    cross_temperature: TemperatureConfig = Field(default_factory=_cross_temperature, description="τ_c")
     image_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_img")
     text_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_txt")
     teacher_temperature: Float = Field(1.0, gt=0.0, description="τ_T of the teacher softmax")
@@ -227,10 +242,11 @@ class CUSAConfig(_Section):
 
     @field_validator("cross_temperature", "image_temperature", "text_temperature", mode="before")
     @classmethod
-    def _unimodal_defaults(cls, value: Any) -> Any:
+    def _own_defaults(cls, value: Any, info: ValidationInfo) -> Any:
         """Keys left out of a partly written τ (``--set loss.cusa.cross_temperature.init=0.5``)
         keep these temperatures' own defaults, not the base loss's."""
-        return _unimodal_temperature().model_dump() | value if isinstance(value, dict) else value
+        default = _cross_temperature() if info.field_name == "cross_temperature" else _unimodal_temperature()
+        return default.model_dump() | value if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _has_teachers(self) -> CUSAConfig:

@@ -217,3 +217,13 @@ def generate(out: str | Path, num_train: int = 10_000, num_val: int = 500, num_t
         out, source="pairsim-shapes", splits=counts,
         generator={"seed": seed, "image_size": image_size, "labels": LABELS},
     )
+
+
+def ensure(out: str | Path, **sizes) -> Path:
+    """The shapes dataset at ``out``: left as it is when it has a manifest, else generated with
+    :func:`generate`'s ``sizes``."""
+    try:
+        shards.read_manifest(out)
+    except FileNotFoundError:
+        generate(out, **sizes)
+    return Path(out)

@@ -17,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pairsim.config import reported_metrics
 from pairsim.eval.metrics import Metrics, blocked_retrieval_metrics
@@ -32,7 +33,9 @@ class SplitEmbeddings:
     """A split's L2-normalised embeddings: one row per image and one per caption.
 
     ``labels`` are the images' class labels (−1: unknown); ``*_unimodal`` the uni-modal heads'
-    embeddings, when the model has them.
+    embeddings, when the model has them; ``image_norm`` / ``text_norm`` [N, 1] the norms of the
+    model's outputs before normalisation (None: 1), which a fusion of raw embeddings needs
+    (:meth:`raw`).
     """
 
     image: torch.Tensor
@@ -43,16 +46,28 @@ class SplitEmbeddings:
     caption_index: np.ndarray
     image_unimodal: torch.Tensor | None = None
     text_unimodal: torch.Tensor | None = None
+    image_norm: torch.Tensor | None = None
+    text_norm: torch.Tensor | None = None
 
     @classmethod
     def from_batches(cls, batches: Iterable[dict[str, np.ndarray]]) -> SplitEmbeddings:
-        """Concatenate :func:`embed_batch` outputs; float columns (the embeddings) become tensors."""
+        """Concatenate :func:`embed_batch` outputs (the model's raw outputs): float columns (the
+        embeddings) become L2-normalised tensors, the image and text norms are kept."""
         columns: dict[str, list[np.ndarray]] = {}
         for batch in batches:
             for name, value in batch.items():
                 columns.setdefault(name, []).append(value)
-        return cls(**{name: torch.from_numpy(np.concatenate(parts)) if parts[0].dtype.kind == "f"
-                      else np.concatenate(parts) for name, parts in columns.items()})
+        fields = {name: torch.from_numpy(np.concatenate(parts)) if parts[0].dtype.kind == "f"
+                  else np.concatenate(parts) for name, parts in columns.items()}
+        norms = {f"{m}_norm": fields[m].norm(dim=1, keepdim=True) for m in ("image", "text")}
+        return cls(**{name: F.normalize(v, dim=1) if isinstance(v, torch.Tensor) else v for name, v in fields.items()},
+                   **norms)
+
+    def raw(self, modality: str, rows: np.ndarray) -> torch.Tensor:
+        """The model's output for ``rows`` of ``image`` or ``text``, before normalisation."""
+        norm = getattr(self, f"{modality}_norm")
+        embeddings = getattr(self, modality)[rows]
+        return embeddings if norm is None else embeddings * norm[rows]
 
     def id_labels(self) -> tuple[np.ndarray, np.ndarray]:
         """Image ids as integers: (per image, per caption)."""
@@ -155,10 +170,12 @@ def modality_grid(emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[in
     images, query_rows, key_rows = grid_items(emb)
     if len(images) == 0:
         raise ValueError("the modality grid needs images with at least two captions")
-    image = emb.image[images]
-    with torch.no_grad():
-        queries = {"image": image, "text": emb.text[query_rows], "fused": fusion(image, emb.text[query_rows])}
-        keys = {"image": image, "text": emb.text[key_rows], "fused": fusion(image, emb.text[key_rows])}
+    image, raw_image = emb.image[images], emb.raw("image", images)
+    with torch.no_grad():  # the fusion sees the model's raw outputs, as in training
+        queries = {"image": image, "text": emb.text[query_rows],
+                   "fused": F.normalize(fusion(raw_image, emb.raw("text", query_rows)), dim=1)}
+        keys = {"image": image, "text": emb.text[key_rows],
+                "fused": F.normalize(fusion(raw_image, emb.raw("text", key_rows)), dim=1)}
     items = np.arange(len(images))
     grid = {k: np.zeros((len(MODALITIES), len(MODALITIES))) for k in ks}
     for i, q in enumerate(MODALITIES):

@@ -1,5 +1,6 @@
-"""Pair-similarity losses: functions of similarity matrices (:mod:`.functional`) and modules over
-the global batch that own their temperatures and compose into one objective (:mod:`.modules`)."""
+"""Pair-similarity losses: functions of similarity matrices (:mod:`.functional`), modules over
+the global batch that own their temperatures and compose into one objective (:mod:`.modules`),
+and the learnable temperatures that stay in their range under any optimizer (:mod:`.temperature`)."""
 
 from pairsim.losses import functional
 from pairsim.losses.modules import (
@@ -11,12 +12,12 @@ from pairsim.losses.modules import (
     InfoNCE,
     Objective,
     Structure,
-    Temperature,
     TripletHN,
     Unified,
     build_base,
     build_objective,
 )
+from pairsim.losses.temperature import Temperature, temperatures
 
 __all__ = ["functional", "BaseLoss", "BatchLoss", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE", "Objective",
-           "Structure", "Temperature", "TripletHN", "Unified", "build_base", "build_objective"]
+           "Structure", "Temperature", "TripletHN", "Unified", "build_base", "build_objective", "temperatures"]

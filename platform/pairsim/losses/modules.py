@@ -3,7 +3,8 @@
 An objective is a **base** pairwise loss (:class:`InfoNCE`, :class:`Unified`, :class:`TripletHN`)
 applied over a **similarity structure** (:class:`ImageTextLoss`: the B×B image↔text matrix;
 :class:`GCLLoss`: the 3N×3N matrix over image, text and fused embeddings), plus optional
-:class:`CUSALoss` soft-label terms: total = base + α·CSA + β·USA (:class:`Objective`).
+:class:`CUSALoss` soft-label terms: total = w·base + α·CSA + β·USA (:class:`Objective`; w = 1, or
+1/(2B) under the CUSA authors' reduction).
 
 Each base loss and structure is registered by name (:data:`pairsim.registry.BASE_LOSSES`,
 :data:`~pairsim.registry.STRUCTURES`) and declares its parameters as a ``Params`` config section,
@@ -26,34 +27,8 @@ from torch import nn
 from pairsim.config import Bool, CUSAConfig, Float, LossConfig, Section, TemperatureConfig
 from pairsim.losses import functional
 from pairsim.losses.distributed import GlobalBatch, gather_batch
+from pairsim.losses.temperature import Temperature
 from pairsim.registry import BASE_LOSSES, STRUCTURES
-
-
-class Temperature(nn.Module):
-    """A temperature τ, learnable or fixed, clamped to [min, max] where it is used.
-
-    The clamp is applied in ``forward`` rather than to the stored value: under DeepSpeed the
-    optimizer owns fp32 master weights (and ZeRO-3 partitions them), so an in-place clamp of
-    the module parameter would be lost. The parameter has shape [1] (DeepSpeed cannot
-    broadcast 0-dim tensors).
-    """
-
-    def __init__(self, init: float, min: float, max: float, learnable: bool = True):
-        super().__init__()
-        if not 0 < min <= init <= max:
-            raise ValueError(f"temperature needs 0 < min <= init <= max, got {min}, {init}, {max}")
-        self.min, self.max = min, max
-        self.value = nn.Parameter(torch.tensor([float(init)]), requires_grad=learnable)
-
-    @classmethod
-    def from_config(cls, cfg: TemperatureConfig) -> Temperature:
-        return cls(cfg.init, cfg.min, cfg.max, cfg.learnable)
-
-    def forward(self) -> torch.Tensor:
-        return functional.fp32(self.value).clamp(self.min, self.max).squeeze(0)  # bf16 engines: τ in fp32
-
-    def extra_repr(self) -> str:
-        return f"min={self.min}, max={self.max}, learnable={self.value.requires_grad}"
 
 
 # -------------------------------------------------------------------------------- base losses
@@ -308,13 +283,13 @@ class CUSALoss(BatchLoss):
     CSA aligns the cross-modal similarities (``image``, ``text``) with them at τ_c; USA aligns
     the uni-modal heads' similarities (``image_unimodal``, ``text_unimodal``) at τ_img, τ_txt.
     Inputs also ``teacher_image``, ``teacher_text`` [B, d_teacher]. Defaults are the authors'
-    code: τ_c, τ_img, τ_txt learnable, init 0.45, clamped to [0.1, 1.0]; τ_T = 1 fixed.
+    code: τ_c, τ_img, τ_txt learnable, init 0.45, in [0.1, 0.99] (τ_c) and [0.1, 1.0]; τ_T = 1 fixed.
     """
 
     def __init__(self, cross_temperature: Temperature | None = None, image_temperature: Temperature | None = None,
                  text_temperature: Temperature | None = None, teacher_temperature: float = 1.0, **kwargs):
         super().__init__(**kwargs)
-        self.cross_temperature = cross_temperature or Temperature(0.45, 0.1, 1.0)
+        self.cross_temperature = cross_temperature or Temperature(0.45, 0.1, 0.99)
         self.image_temperature = image_temperature or Temperature(0.45, 0.1, 1.0)
         self.text_temperature = text_temperature or Temperature(0.45, 0.1, 1.0)
         self.teacher_temperature = teacher_temperature
@@ -340,18 +315,28 @@ class CUSALoss(BatchLoss):
 
 
 class Objective(BatchLoss):
-    """base + α·CSA + β·USA over one gather of the model's outputs.
+    """w·base + α·CSA + β·USA over one gather of the model's outputs.
+
+    ``reduction`` sets the base's weight w: ``pairsim`` 1; ``paper`` 1/(2B) with B the global
+    batch, the CUSA authors' code (its base cross-entropy is a mean over the B columns of a row,
+    the two directions averaged), under which the paper's α, β hold (see
+    :class:`~pairsim.config.CUSAConfig`).
 
     ``forward(image, text, fused=None, image_unimodal=None, text_unimodal=None, group_ids=None,
     teacher_image=None, teacher_text=None)`` returns a dict: ``loss`` (the total, to backprop),
-    ``loss/base``, ``loss/csa``, ``loss/usa`` and each temperature (``temperature/...``), the
-    parts detached. Raises ``FloatingPointError`` naming the term if any is NaN or infinite.
+    ``loss/base`` (w·base, as it enters the total), ``loss/csa``, ``loss/usa`` and each temperature
+    (``temperature/...``), the parts detached. Raises ``FloatingPointError`` naming the term if any
+    is NaN or infinite.
     """
 
+    REDUCTIONS = ("pairsim", "paper")
+
     def __init__(self, structure: Structure, cusa: CUSALoss | None = None,
-                 alpha: float = 0.1, beta: float = 0.5, **kwargs):
+                 alpha: float = 0.1, beta: float = 0.5, reduction: str = "pairsim", **kwargs):
         super().__init__(**kwargs)
-        self.structure, self.cusa, self.alpha, self.beta = structure, cusa, alpha, beta
+        if reduction not in self.REDUCTIONS:
+            raise ValueError(f"reduction must be one of {self.REDUCTIONS}, got {reduction!r}")
+        self.structure, self.cusa, self.alpha, self.beta, self.reduction = structure, cusa, alpha, beta, reduction
 
     @property
     def needs(self) -> set[str]:
@@ -366,6 +351,8 @@ class Objective(BatchLoss):
 
     def loss(self, batch: GlobalBatch) -> dict[str, torch.Tensor]:
         base = self.structure.loss(batch)
+        if self.reduction == "paper":
+            base = base / (2 * batch.columns["image"].shape[0])
         terms = {"loss/base": base}
         total = base
         if self.cusa is not None:
@@ -396,4 +383,5 @@ def build_objective(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> Obje
     structure = STRUCTURES[cfg.structure].from_params(cfg.structure_params, build_base(cfg), **dist)
     if cfg.cusa is None:
         return Objective(structure, **dist)
-    return Objective(structure, CUSALoss.from_config(cfg.cusa, **dist), cfg.cusa.alpha, cfg.cusa.beta, **dist)
+    return Objective(structure, CUSALoss.from_config(cfg.cusa, **dist), cfg.cusa.alpha, cfg.cusa.beta,
+                     cfg.cusa.reduction, **dist)

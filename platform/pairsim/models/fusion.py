@@ -1,8 +1,11 @@
 """Fusion modules: the fused image+text embedding GCL scores (``model.fusion``).
 
-Each maps (image [B, d], text [B, d]) to fused [B, d] and is registered in
-:data:`pairsim.registry.FUSIONS` under the name config uses. A model with a native fused
-encoder (VISTA-like) registers its own.
+Each maps the model's image and text outputs [B, d], before the losses' and the evaluation's
+L2 normalisation, to a fused [B, d], and is registered in :data:`pairsim.registry.FUSIONS`
+under the name config uses. A model with a native fused encoder (VISTA-like) registers its own.
+
+The outputs are open_clip's forward (L2-normalised per tower) followed by the cross-modal
+heads when ``model.crossmodal_heads`` is on; without heads both fusions give the same vectors.
 """
 
 from __future__ import annotations
@@ -13,10 +16,22 @@ import torch.nn.functional as F
 from pairsim.registry import FUSIONS
 
 
-@FUSIONS.register("score_sum")
-class ScoreSumFusion(torch.nn.Module):
-    """The fused image+text embedding of UniIR's CLIP-SF (score fusion), as GCL uses for dual
-    encoders: normalize(normalize(image) + normalize(text))."""
+@FUSIONS.register("raw_sum")
+class RawSumFusion(torch.nn.Module):
+    """UniIR's CLIP-SF score fusion as its code computes it (Wei et al., ECCV 2024), which GCL
+    (Lee et al., NeurIPS 2025) uses for dual encoders: normalize(image + text) of the outputs
+    as they are, so the longer of the two weighs more. UniIR sums un-normalised CLIP
+    embeddings; here the towers' outputs are normalised by open_clip's forward, so this differs
+    from ``normalized_sum`` only with cross-modal heads."""
+
+    def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return F.normalize(image + text, dim=-1)
+
+
+@FUSIONS.register("normalized_sum")
+class NormalizedSumFusion(torch.nn.Module):
+    """normalize(normalize(image) + normalize(text)): both modalities weigh the same whatever
+    their norms (pairsim's default)."""
 
     def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.normalize(image, dim=-1) + F.normalize(text, dim=-1), dim=-1)

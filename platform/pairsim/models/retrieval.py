@@ -17,8 +17,11 @@ from pairsim.registry import FUSIONS
 
 
 def projection_head(dim: int) -> torch.nn.Sequential:
-    """LayerNorm + Linear(d, d): CUSA's per-tower head."""
-    return torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim))
+    """LayerNorm + Linear(d, d), the linear weights drawn from N(0, 0.02²): CUSA's per-tower head
+    as its authors' code initialises it."""
+    linear = torch.nn.Linear(dim, dim)
+    torch.nn.init.normal_(linear.weight, std=0.02)
+    return torch.nn.Sequential(torch.nn.LayerNorm(dim), linear)
 
 
 class RetrievalModel(torch.nn.Module):

@@ -22,7 +22,7 @@ import torch
 
 from pairsim import dist
 from pairsim.config import OptimConfig, RunConfig, TrainConfig
-from pairsim.losses import Objective, build_objective
+from pairsim.losses import Objective, build_objective, temperatures
 from pairsim.models import retrieval
 from pairsim.models.retrieval import RetrievalModel
 
@@ -102,6 +102,46 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                            model_parameters=parameter_groups(module, cfg.optim.weight_decay))
     return engine
+
+
+def _master_fragment(optimizer, param: torch.nn.Parameter) -> torch.Tensor | None:
+    """This rank's part of the fp32 master copy of ``param`` that ``optimizer`` steps (a view into
+    DeepSpeed's buffers), or None when the optimizer steps ``param`` itself or owns none of it."""
+    if getattr(param, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16 optimizer
+        return param._hp_mapping.get_hp_fragment()
+    masters = getattr(optimizer, "fp32_groups_flat", None) or getattr(optimizer, "fp32_groups", None)
+    for low_precision, master in zip(getattr(optimizer, "fp16_groups", []), masters or []):
+        offset = 0  # ZeRO-0 with bf16/fp16: FP16_Optimizer (flat masters) or FP16_UnfusedOptimizer (one per param)
+        for index, p in enumerate(low_precision):
+            if p is param:
+                return master.narrow(0, offset, p.numel()) if torch.is_tensor(master) else master[index]
+            offset += p.numel()
+    return None
+
+
+@torch.no_grad()
+def clamp_temperatures(engine) -> None:
+    """Clamp every learnable temperature of the engine's module into its range after
+    ``engine.step()``: the fp32 master copy the optimizer steps (this rank's fragment under
+    ZeRO-1/2, its partition under ZeRO-3, the flat or per-parameter copy of ZeRO-0 with bf16 or
+    fp16) and the module's copy.
+
+    Local on every rank (no collective); the module's copy of a parameter ZeRO-3 has partitioned
+    away is refreshed from the master at the next step, and used clamped meanwhile.
+    """
+    from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
+
+    for temperature in temperatures(engine.module):
+        param, low, high = temperature.value, temperature.min, temperature.max
+        if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition, padding past ds_numel left alone
+            local = safe_get_local_fp32_param(param).clone()
+            local.narrow(0, 0, max(0, min(local.numel(), param.ds_numel - local.numel() * dist.rank()))).clamp_(low, high)
+            safe_set_local_fp32_param(param, local)
+        else:
+            master = _master_fragment(engine.optimizer, param)
+            if master is not None:
+                master.clamp_(low, high)
+        temperature.clamp_()  # the module's copy (at ZeRO-0 fp32 the master itself)
 
 
 def restore(engine) -> tuple[int, int]:

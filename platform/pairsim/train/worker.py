@@ -18,7 +18,7 @@ import torch
 from pairsim import dist, log
 from pairsim.config import RunConfig
 from pairsim.data import ingest
-from pairsim.eval import inference, suite
+from pairsim.eval import inference, similarity, suite
 from pairsim.models import clip, retrieval
 from pairsim.teachers.encoders import MODALITIES, Teacher
 from pairsim.teachers.store import teacher_sources
@@ -120,9 +120,11 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbedd
 
 
 def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger | None,
-             step: int) -> dict[str, float]:
+             step: int, epoch: int) -> dict[str, float]:
     """The val split's evaluation suite (:func:`pairsim.eval.suite.evaluate_split`) and the
-    skipped-image count, logged on rank 0 ({} on other ranks)."""
+    skipped-image count, logged on rank 0 ({} on other ranks) and returned; also logged, not
+    returned: the positive vs hardest-negative similarities of (1-based) ``epoch``
+    (:func:`pairsim.eval.similarity.log_similarities`)."""
     embeddings = embed_split(engine, cfg, dtype)
     if run is None:
         return {}
@@ -138,6 +140,7 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
         logger.warning("skipped %d unreadable images so far, e.g. %s; all are listed in the run's "
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
     run.log_metrics(metrics, step)
+    similarity.log_similarities(run, embeddings, step, epoch)
     return metrics
 
 
@@ -176,6 +179,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             loss = out["loss"]
             engine.backward(loss)
             engine.step()
+            engines.clamp_temperatures(engine)
             step += 1
             timer.step_done()
             if run and epoch_step == 1 and epoch == start_epoch:
@@ -190,7 +194,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
                     logger.info("epoch %d/%d step %d loss %.4f lr %.2e %.0f samples/s", epoch + 1, cfg.train.epochs,
                                 step, logged["train/loss"], lr, rate)
 
-        metrics = validate(engine, cfg, dtype, ledger, run, step)
+        metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
         card = None
         if run:
             run.log_metrics(timer.metrics(), step)
