@@ -23,7 +23,7 @@ def _equal_steps_worker(rank, world):
 
 
 def test_equal_steps_stops_every_rank_with_the_shortest():
-    assert on_gloo_ranks(_equal_steps_worker, timeout=60) == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert on_gloo_ranks(_equal_steps_worker, timeout=180) == {0: [0, 1, 2], 1: [0, 1, 2]}
 
 
 @pytest.fixture(scope="module")
