@@ -96,11 +96,12 @@ def ray_instance():
     modules unpickle there."""
     import ray
 
-    from pairsim.train.driver import IDLE_WORKERS_KEPT
+    from pairsim.train.driver import IDLE_WORKERS_KEPT, LOCAL_RUNTIME_ENV
 
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
-    ray.init(num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
+    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
              _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()

@@ -1,0 +1,78 @@
+"""pairsim's own local Ray instance beside another one on the same machine (a test suite and a
+demo, two sweeps): a Train run whose owner dies (a sweep trial stopped early by ASHA) must give
+its workers' placement group back, or the next trial waits forever for CPUs that nobody uses.
+
+Ray Train V2 frees it from a detached ``PlacementGroupCleaner`` that asks the State API whether
+the controller is alive; in a worker that API finds its cluster from ``RAY_ADDRESS`` or by
+scanning the machine's GCS processes, and with two of them it raised "Found multiple active Ray
+instances" in the cleaner's thread, which died, leaking the group."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+OTHER_INSTANCE = "import ray, sys, time; ray.init(num_cpus=1, include_dashboard=False); print('ready', flush=True); time.sleep(600)"
+
+ORPHANED_RUN = textwrap.dedent("""
+    import pathlib, sys, time
+    import ray
+    import ray.train
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from pairsim.config import load_config
+    from pairsim.train.driver import init_ray
+
+    storage, started = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+
+    def loop(config):
+        pathlib.Path(config["started"]).write_text("1")
+        time.sleep(600)
+
+    @ray.remote(num_cpus=0)
+    class Owner:  # what a Tune trial is to its TorchTrainer
+        def run(self):
+            TorchTrainer(loop, train_loop_config={"started": str(started)},
+                         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                         run_config=ray.train.RunConfig(name="orphan", storage_path=str(storage))).fit()
+
+    def worker_groups():
+        return {pg: info["state"] for pg, info in ray.util.placement_group_table().items()
+                if sum(b.get("CPU", 0) for b in info["bundles"].values()) == 2}
+
+    init_ray(load_config(None, ["train.num_workers=2", "train.cpus_per_worker=1", "ray.data_cpus=1"]))
+    owner = Owner.remote()
+    owner.run.remote()
+    deadline = time.time() + 180
+    while not started.exists():
+        assert time.time() < deadline, "the workers never started"
+        time.sleep(0.5)
+    time.sleep(3)  # the worker group is registered with the cleaner right after it starts
+    [group] = worker_groups()
+    ray.kill(owner)
+    deadline = time.time() + 60
+    while worker_groups()[group] != "REMOVED":
+        if time.time() > deadline:
+            print("LEAKED", worker_groups(), ray.available_resources().get("CPU"), flush=True)
+            sys.exit(1)
+        time.sleep(1)
+    print("FREED", ray.available_resources().get("CPU"), flush=True)
+""")
+
+
+def test_an_orphaned_run_frees_its_workers_beside_another_local_instance(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", OTHER_INSTANCE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        script = tmp_path / "orphan.py"
+        script.write_text(ORPHANED_RUN)
+        run = subprocess.run([sys.executable, str(script), str(tmp_path / "ray"), str(tmp_path / "started")],
+                             capture_output=True, text=True, timeout=420)
+        assert run.returncode == 0 and "FREED" in run.stdout, run.stdout[-3000:] + run.stderr[-5000:]
+    finally:
+        other.kill()
+        other.wait()
