@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+from pairsim.cli import DEMO_CONFIG, OBJECTIVES, objective_config
 from pairsim.config import load_config
 from pairsim.train.engine import deepspeed_config
 
@@ -22,3 +24,98 @@ def test_derived_config_is_what_deepspeed_parses(stage, precision):
     assert parsed.scheduler_name == "WarmupCosineLR"
     assert parsed.scheduler_params == {"total_num_steps": 100, "warmup_num_steps": 7, "warmup_type": "linear",
                                        "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}
+
+
+# ---------------------------------------------------------------- the optimizer: no compiler by default
+
+def test_default_optimizer_is_torch_adamw_fused_on_gpu_and_deepspeed_parses_it():
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for use_gpu, fused in ((False, False), (True, True)):
+        cfg = load_config(None, [f"train.use_gpu={str(use_gpu).lower()}"])
+        parsed = DeepSpeedConfig(deepspeed_config(cfg.train, cfg.optim, total_steps=10))
+        assert parsed.optimizer_params["torch_adam"] is True
+        assert parsed.optimizer_params.get("fused", False) is fused
+    cfg = load_config(None, ["train.use_gpu=true", "optim.impl=deepspeed"])
+    params = deepspeed_config(cfg.train, cfg.optim, total_steps=10)["optimizer"]["params"]
+    assert params["torch_adam"] is False and "fused" not in params
+
+
+def test_deepspeed_optimizer_needs_a_gpu():
+    from pairsim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optim.impl: 'deepspeed' runs DeepSpeed's FusedAdam"):
+        load_config(None, ["optim.impl=deepspeed"])
+
+
+def _fused_engine(rank, world):
+    """DeepSpeed builds the optimizer pairsim's GPU config names (torch AdamW, fused: torch has a
+    CPU kernel too, so the same code path runs here) and steps it."""
+    import deepspeed
+
+    cfg = load_config(None, ["train.use_gpu=true", "train.micro_batch_size=2", "train.zero_stage=2",
+                             "train.precision=bf16", "optim.warmup_steps=0"])  # full LR at step 1
+    ds_config = deepspeed_config(cfg.train, cfg.optim, total_steps=10)
+    model = torch.nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters())
+    base = engine.optimizer.optimizer
+    before = engine.module.weight.float().clone()
+    engine.backward(engine(torch.ones(2, 4, dtype=torch.bfloat16)).float().square().sum())
+    engine.step()
+    return type(base).__name__, base.defaults["fused"], bool((engine.module.weight.float() != before).any())
+
+
+def test_deepspeed_steps_torch_fused_adamw():
+    from conftest import on_gloo_ranks
+
+    for name, fused, moved in on_gloo_ranks(_fused_engine, world=1).values():
+        assert (name, fused, moved) == ("AdamW", True, True)
+
+
+@pytest.mark.parametrize("raw,expected,crashed", [("9.0a", "9.0", True), ("8.6 9.0a+PTX", "8.6;9.0+PTX", True),
+                                                  ("7.5;8.0;8.0", "7.5;8.0", False), ("10.0f;12.0", "10.0;12.0", True)])
+def test_arch_list_is_made_what_deepspeed_parses(raw, expected, crashed, monkeypatch):
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder, whatever the accelerator
+
+    from pairsim.train.engine import deepspeed_arch_list
+
+    assert deepspeed_arch_list(raw) == expected
+    builder = FusedAdamBuilder()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", expected)
+    flags = builder.compute_capability_args()
+    assert any("arch=compute_" in flag for flag in flags)
+    if crashed:  # what DeepSpeed did with the raw list
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", raw)
+        with pytest.raises(ValueError):
+            builder.compute_capability_args()
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_deepspeed_builds_the_schedule_and_no_warmup_starts_at_the_full_rate(warmup):
+    """The cusa_paper preset has no warm-up, which DeepSpeed's WarmupCosineLR refuses."""
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    cfg = load_config(None, [f"optim.warmup_steps={warmup}", "optim.lr=1e-3", "optim.min_lr_ratio=0.1"])
+    params = deepspeed_config(cfg.train, cfg.optim, total_steps=30)["scheduler"]["params"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = WarmupCosineLR(optimizer, **params)
+    rates = []
+    for _ in range(30):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    peak = rates.index(max(rates))
+    assert max(rates) == pytest.approx(1e-3, rel=0 if warmup == 0 else 0.01)
+    assert peak == 0 if warmup == 0 else (rates[0] == 0.0 and peak >= warmup)
+    assert rates[:peak + 1] == sorted(rates[:peak + 1]) and rates[peak:] == sorted(rates[peak:], reverse=True)
+    assert 1e-4 <= rates[-1] < 1.2e-4  # cosine down to min_lr_ratio × lr
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in OBJECTIVES.glob("*.yaml")))
+def test_every_objective_preset_gives_a_schedule_deepspeed_builds(preset):
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    cfg = load_config([DEMO_CONFIG, objective_config(preset)])
+    params = deepspeed_config(cfg.train, cfg.optim, total_steps=100)["scheduler"]["params"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
+    WarmupCosineLR(optimizer, **params)

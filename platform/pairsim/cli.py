@@ -1,5 +1,5 @@
 """``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect``,
-``evaluate``, ``export``, ``registry``, ``data synth``."""
+``evaluate``, ``export``, ``doctor``, ``registry``, ``data synth``."""
 
 from __future__ import annotations
 
@@ -276,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
                                                              "it under NAME in MLflow's model registry")
 
+    doctor = sub.add_parser("doctor", help="what this machine and cluster give a run, and whether the config's "
+                                           "choices (GPUs, precision, optimizer, storage) can run; exit 1 if not")
+    doctor.add_argument("--config", type=Path, action="append", help="YAML run config (default: the built-in "
+                                                                      "defaults); repeat to layer files")
+    doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
     sub.add_parser("registry", help="every extension point (losses, structures, fusions, teachers, data "
                                     "formats, metric families) and what is registered in it")
 
@@ -309,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             _evaluate(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "doctor":
+            from pairsim import doctor
+
+            findings = doctor.diagnose(load_config(args.config, args.overrides))
+            print(doctor.report(findings))
+            return 1 if any(f.blocking for f in findings) else 0
         elif args.command == "registry":
             from pairsim import registry
 

@@ -288,9 +288,13 @@ class OptimConfig(_Section):
     weight_decay: Float = Field(0.1, ge=0.0)
     betas: tuple[Annotated[Float, Field(ge=0.0, lt=1.0)], Annotated[Float, Field(ge=0.0, lt=1.0)]] = (0.9, 0.98)
     eps: Float = Field(1e-6, gt=0.0)
-    warmup_steps: Int = Field(50, ge=0)
+    warmup_steps: Int = Field(50, ge=0, description="linear warm-up from 0; 0 starts at lr (DeepSpeed's "
+                                                      "scheduler then holds it 2 steps before the cosine)")
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final LR as a share of lr")
     grad_clip: Float = Field(1.0, ge=0.0, description="global norm; 0 disables clipping")
+    impl: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch: torch.optim.AdamW (fused on GPU), no compiler needed; deepspeed: DeepSpeed's "
+                             "FusedAdam, a CUDA op built with nvcc on first use unless DeepSpeed was installed with it")
 
 
 class TrainConfig(_Section):
@@ -382,6 +386,13 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())  # built on use: it reads the registries
     tracking: TrackingConfig = TrackingConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _optimizer_runs_here(self) -> RunConfig:
+        if self.optim.impl == "deepspeed" and not self.train.use_gpu:
+            raise ValueError("optim.impl: 'deepspeed' runs DeepSpeed's FusedAdam, a CUDA op; set train.use_gpu=true "
+                             "or keep optim.impl=torch")
+        return self
 
     def flat(self) -> dict[str, Any]:
         """Dotted-key view, as logged to MLflow params."""

@@ -87,6 +87,9 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
 
 def check_ready(cfg: RunConfig) -> None:
     """Everything that can be checked before the cluster is touched."""
+    if cfg.optim.impl == "deepspeed" and not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+        if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
+            raise ConfigError(problem)
     clip.check_model_config(cfg.model)
     try:
         for split in (cfg.data.train_split, cfg.data.val_split):

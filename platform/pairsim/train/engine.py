@@ -13,6 +13,9 @@ DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights), ``model.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -64,18 +67,56 @@ def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -
         "fp16": {"enabled": train.precision == "fp16"},
         "optimizer": {
             "type": "AdamW",
-            # torch's AdamW on CPU; DeepSpeed's fused Adam on GPU
-            "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps,
-                       "weight_decay": optim.weight_decay, "torch_adam": not train.use_gpu},
+            # torch_adam: DeepSpeed builds torch.optim.AdamW with the other params (fused: one kernel on GPU)
+            "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
+                       "torch_adam": optim.impl == "torch"}
+            | ({"fused": True} if optim.impl == "torch" and train.use_gpu else {}),
         },
         "scheduler": {
             "type": "WarmupCosineLR",
-            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": optim.warmup_steps,
-                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": optim.min_lr_ratio},
+            "params": {"total_num_steps": max(total_steps, 1), "warmup_num_steps": max(optim.warmup_steps, 1),
+                       "warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": optim.min_lr_ratio}
+            # DeepSpeed refuses 0 warm-up steps and starts at LR 0: none is 2 steps at full LR from the first
+            | ({} if optim.warmup_steps else {"warmup_min_ratio": 1.0, "last_batch_iteration": 0}),
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's op builder parses it: ``"9.0a"`` → ``"9.0"``,
+    ``"8.6 10.0f+PTX"`` → ``"8.6;10.0+PTX"``. The builder reads each minor version with ``int()``,
+    so the architecture-specific suffixes torch accepts (``a``, ``f``) crash the build."""
+    archs = []
+    for token in value.replace(" ", ";").split(";"):
+        if match := re.fullmatch(r"(\d+)\.(\d+)[a-z]?(\+PTX)?", token.strip()):
+            archs.append(f"{match[1]}.{match[2]}{match[3] or ''}")
+        elif token.strip():
+            archs.append(token.strip())
+    return ";".join(dict.fromkeys(archs))
+
+
+def deepspeed_ops_problem() -> str | None:
+    """Why DeepSpeed's FusedAdam (``optim.impl: deepspeed``) cannot run here, or None: it must be
+    pre-built into the DeepSpeed install or buildable, which takes ``nvcc``."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if installed_ops.get("fused_adam") or shutil.which("nvcc") or (CUDA_HOME and Path(CUDA_HOME, "bin", "nvcc").is_file()):
+        return None
+    return ("optim.impl: 'deepspeed' needs DeepSpeed's FusedAdam, which this DeepSpeed install does not carry "
+            "pre-built (DS_BUILD_FUSED_ADAM=1 pip install deepspeed) and which cannot be built here: no nvcc on "
+            "PATH or in CUDA_HOME; keep optim.impl=torch (torch's fused AdamW, no compiler)")
+
+
+def prepare_deepspeed_ops() -> None:
+    """Before DeepSpeed builds its FusedAdam on first use: ``TORCH_CUDA_ARCH_LIST`` in a form it
+    parses, and a clear error instead of a failed compile when it cannot be built."""
+    if arch_list := os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(arch_list)
+    if problem := deepspeed_ops_problem():
+        raise RuntimeError(problem)
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -94,6 +135,8 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
     reads (fused embeddings, uni-modal heads), its weights seeded by ``train.seed``."""
     import deepspeed  # imported in the worker only (ray #50406)
 
+    if cfg.optim.impl == "deepspeed":
+        prepare_deepspeed_ops()
     objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
     torch.manual_seed(cfg.train.seed)
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,

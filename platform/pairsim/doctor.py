@@ -1,0 +1,138 @@
+"""``pairsim doctor``: what this machine (and the Ray cluster, when one is named) gives a run,
+and whether the run config's choices can run on it — before a job is submitted.
+
+Each :class:`Finding` is a line of the report; a finding is *blocking* when the config asks for
+something that cannot run (GPUs that are not there, bf16 on a GPU without it, DeepSpeed's
+FusedAdam with no way to build it, a storage path that cannot be written, a cluster smaller
+than one run), and ``pairsim doctor`` then exits with 1.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from pairsim.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Finding:
+    topic: str
+    detail: str
+    blocking: bool = False  # the run config asks for what this finding says cannot run
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def software() -> list[Finding]:
+    cuda = torch.version.cuda or "none (CPU build)"
+    return [Finding("python", f"{platform.python_version()} ({sys.executable})"),
+            Finding("packages", ", ".join(f"{p} {_version(p)}" for p in
+                                          ("torch", "ray", "deepspeed", "open_clip_torch", "mlflow", "pyarrow"))),
+            Finding("torch CUDA build", cuda)]
+
+
+def gpus(cfg: RunConfig) -> list[Finding]:
+    """The GPUs this process sees, NCCL, and whether ``train.use_gpu`` / bf16 can run on them."""
+    if not torch.cuda.is_available():
+        return [Finding("GPUs", "none visible" + (": train.use_gpu=true cannot run on a local instance"
+                                                   if cfg.train.use_gpu and _local(cfg) else ""),
+                        blocking=cfg.train.use_gpu and _local(cfg))]
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        found.append(Finding(f"GPU {index}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
+                                             f"compute capability {props.major}.{props.minor}"))
+    found.append(Finding("NCCL", ".".join(map(str, torch.cuda.nccl.version()))))
+    no_bf16 = cfg.train.use_gpu and cfg.train.precision == "bf16" and not torch.cuda.is_bf16_supported()
+    found.append(Finding("bf16", "supported" if torch.cuda.is_bf16_supported() else
+                         "not supported" + (": train.precision=bf16 cannot run; use fp16 or fp32" if no_bf16 else ""),
+                         blocking=no_bf16))
+    wanted = cfg.train.num_workers * cfg.train.gpus_per_worker
+    short = cfg.train.use_gpu and _local(cfg) and wanted > torch.cuda.device_count()
+    if short:
+        found.append(Finding("train.num_workers", f"{cfg.train.num_workers} workers × {cfg.train.gpus_per_worker:g} "
+                                                  f"GPUs need {wanted:g}; {torch.cuda.device_count()} visible",
+                             blocking=True))
+    return found
+
+
+def compiler(cfg: RunConfig) -> list[Finding]:
+    """nvcc, DeepSpeed's pre-built ops and ``TORCH_CUDA_ARCH_LIST`` as DeepSpeed will read it."""
+    from pairsim.train import engine
+
+    nvcc = shutil.which("nvcc")
+    found = [Finding("nvcc", nvcc or "not found (torch's fused AdamW, the default optim.impl, needs none)")]
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list:
+        normalised = engine.deepspeed_arch_list(arch_list)
+        found.append(Finding("TORCH_CUDA_ARCH_LIST", arch_list + (f" (DeepSpeed ops get {normalised!r})"
+                                                                  if normalised != arch_list else "")))
+    problem = engine.deepspeed_ops_problem()
+    optimizer = ("torch.optim.AdamW" + (" (fused)" if cfg.train.use_gpu else "") if cfg.optim.impl == "torch"
+                 else "DeepSpeed FusedAdam")
+    found.append(Finding("optimizer", optimizer + ("" if cfg.optim.impl == "torch" else
+                                                   f": {problem}" if problem else ": can be built or is pre-built"),
+                         blocking=cfg.optim.impl == "deepspeed" and problem is not None))
+    return found
+
+
+def _local(cfg: RunConfig) -> bool:
+    return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def cluster(cfg: RunConfig) -> list[Finding]:
+    """The resources a run gets: the named cluster's (joined, not started), or what a local
+    instance would start with."""
+    from pairsim.train import driver
+
+    need = driver.run_cpus(cfg)
+    gpus_needed = cfg.train.num_workers * cfg.train.gpus_per_worker if cfg.train.use_gpu else 0
+    plan = (f"one run takes {need:g} CPUs ({cfg.train.num_workers} workers × {cfg.train.cpus_per_worker:g} + "
+            f"ray.data_cpus {cfg.ray.data_cpus:g})" + (f" and {gpus_needed:g} GPUs, NCCL" if gpus_needed else ""))
+    if _local(cfg):
+        return [Finding("Ray", f"a local instance of {need:g} logical CPUs on this machine's {os.cpu_count()} cores; "
+                               + plan)]
+    import ray
+
+    ray.init(address=cfg.ray.address, log_to_driver=False)
+    try:
+        resources = ray.cluster_resources()
+    finally:
+        ray.shutdown()
+    cpus, gpus_there = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    small = cpus < need or gpus_there < gpus_needed
+    return [Finding("Ray", f"cluster {cfg.ray.address or os.environ['RAY_ADDRESS']}: {cpus:g} CPUs, "
+                           f"{gpus_there:g} GPUs; {plan}" + ("; it does not fit" if small else ""), blocking=small)]
+
+
+def storage(cfg: RunConfig) -> list[Finding]:
+    """Free space and write access where checkpoints go."""
+    path = Path(cfg.ray.storage_path).resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    writable = existing.is_dir() and os.access(existing, os.W_OK)
+    free = shutil.disk_usage(existing).free / 2**30 if existing.is_dir() else 0.0
+    detail = (f"{path}: {free:.1f} GiB free" if writable else
+              f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})")
+    return [Finding("ray.storage_path", detail, blocking=not writable)]
+
+
+def diagnose(cfg: RunConfig) -> list[Finding]:
+    return software() + gpus(cfg) + compiler(cfg) + cluster(cfg) + storage(cfg)
+
+
+def report(findings: list[Finding]) -> str:
+    width = max(len(f.topic) for f in findings)
+    return "\n".join(f"{'✗' if f.blocking else '·'} {f.topic:<{width}}  {f.detail}" for f in findings)

@@ -1,0 +1,71 @@
+"""``pairsim doctor`` on this machine: what it reports, and that it exits 1 exactly when the run
+config asks for something the machine cannot run."""
+
+import shutil
+from importlib import metadata
+
+import pytest
+import torch
+
+from pairsim import cli, doctor
+from pairsim.config import ConfigError, load_config
+from pairsim.train import driver, engine
+
+
+def run_doctor(capsys, *overrides: str) -> tuple[int, str]:
+    code = cli.main(["doctor", *[arg for key in overrides for arg in ("--set", key)]])
+    return code, capsys.readouterr().out
+
+
+def test_reports_the_machine_and_passes_a_config_it_can_run(capsys, tmp_path):
+    code, out = run_doctor(capsys, f"ray.storage_path={tmp_path / 'runs'}")
+    assert code == 0, out
+    assert f"torch {metadata.version('torch')}, ray {metadata.version('ray')}, deepspeed " in out
+    assert f"{tmp_path / 'runs'}: " in out and "GiB free" in out
+    assert "one run takes 4 CPUs (2 workers × 1 + ray.data_cpus 2)" in out
+    assert "✗" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_gpus_asked_for_and_not_there_fail_it(capsys):
+    code, out = run_doctor(capsys, "train.use_gpu=true")
+    assert code == 1
+    assert "✗ GPUs" in out and "train.use_gpu=true cannot run" in out and "and 2 GPUs, NCCL" in out
+
+
+def test_storage_it_cannot_write_fails_it(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, out = run_doctor(capsys, f"ray.storage_path={blocker / 'runs'}")
+    assert code == 1
+    assert "✗ ray.storage_path" in out and f"({blocker} is a file)" in out
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """This machine as one without nvcc (an empty PATH, torch finding no CUDA_HOME)."""
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get("fused_adam"):
+        pytest.skip("this DeepSpeed carries FusedAdam pre-built: no compiler is needed")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
+    assert shutil.which("nvcc") is None
+
+
+def test_deepspeed_ops_without_a_compiler_are_refused_before_launch(no_compiler, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local instance: the check runs on this machine
+    cfg = load_config(None, ["train.use_gpu=true", "optim.impl=deepspeed"])
+    problem = engine.deepspeed_ops_problem()
+    assert problem and "no nvcc" in problem and "optim.impl=torch" in problem
+    with pytest.raises(ConfigError, match="no nvcc on PATH"):
+        driver.check_ready(cfg)
+    findings = {f.topic: f for f in doctor.compiler(cfg)}
+    assert findings["optimizer"].blocking and "no nvcc" in findings["optimizer"].detail
+    assert not {f.topic: f for f in doctor.compiler(load_config(None, ["train.use_gpu=true"]))}["optimizer"].blocking
+
+
+def test_the_arch_list_deepspeed_would_choke_on_is_reported(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    findings = {f.topic: f for f in doctor.compiler(load_config(None))}
+    assert findings["TORCH_CUDA_ARCH_LIST"].detail == "9.0a (DeepSpeed ops get '9.0')"
