@@ -18,6 +18,12 @@ ENV_VAR = "PAIRSIM_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def duration(seconds: float) -> str:
+    """``1h05m`` or ``4m07s``: durations on progress lines."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
 def get_logger(name: str) -> logging.Logger:
     """The ``pairsim.<name>`` logger."""
     return logging.getLogger(f"pairsim.{name}")

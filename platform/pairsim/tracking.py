@@ -41,6 +41,26 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return uri
 
 
+def context_tags() -> dict[str, str]:
+    """The tags MLflow's fluent API gives a run (``mlflow.user``, ``mlflow.source.name`` and
+    ``.type``), the git commit and branch of the pairsim source that runs (not of the entry
+    point, which may be a console script outside the repository), and ``pairsim.version``.
+    Computed where the job was started: a sweep passes its own to every trial."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mlflow.tracking.context.registry import resolve_tags
+    from mlflow.utils.git_utils import get_git_branch, get_git_commit
+    from mlflow.utils.mlflow_tags import MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT
+
+    source = str(Path(__file__).parent)
+    git = {MLFLOW_GIT_COMMIT: get_git_commit(source), MLFLOW_GIT_BRANCH: get_git_branch(source)}
+    try:
+        pairsim_version = version("pairsim")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH
+        pairsim_version = "source"
+    return resolve_tags() | {k: v for k, v in git.items() if v} | {"pairsim.version": pairsim_version}
+
+
 def metric_key(name: str) -> str:
     """MLflow keys allow no '@': ``val/i2t_R@1`` is logged as ``val/i2t_R1``."""
     return name.replace("@", "")
@@ -87,7 +107,7 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
     client = MlflowClient(uri)
     experiment_id = _experiment_id(client, cfg.tracking.experiment, uri)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
-    tags = {RUN_NAME_TAG: run_name} | (tags or {}) | ({PARENT_TAG: parent_run_id} if parent_run_id else {})
+    tags = context_tags() | {RUN_NAME_TAG: run_name} | (tags or {}) | ({PARENT_TAG: parent_run_id} if parent_run_id else {})
     if found:
         run = found[0]
         client.update_run(run.info.run_id, status="RUNNING")
@@ -133,7 +153,7 @@ def open_sweep_run(tracking_uri: str, experiment: str, sweep_name: str, params: 
     if found:
         client.update_run(found[0].info.run_id, status="RUNNING")
         return found[0].info.run_id, True
-    run = client.create_run(experiment_id, run_name=sweep_name, tags={SWEEP_TAG: sweep_name} | tags)
+    run = client.create_run(experiment_id, run_name=sweep_name, tags=context_tags() | {SWEEP_TAG: sweep_name} | tags)
     client.log_batch(run.info.run_id, params=[_param(k, v) for k, v in params.items()])
     return run.info.run_id, False
 

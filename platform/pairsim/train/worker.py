@@ -85,6 +85,13 @@ class StepTimer:
                 "perf/first_batch_wait_s": first}
 
 
+def progress_eta(steps_left: int, samples_per_step: int, samples_per_s: float) -> str:
+    """The training steps' ETA at the current rate (validation comes on top)."""
+    if samples_per_s <= 0:
+        return "ETA unknown"
+    return f"ETA {log.duration(steps_left * samples_per_step / samples_per_s)} of training (+ validation)"
+
+
 def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, Teacher],
                        device) -> dict[str, torch.Tensor]:
     """``teacher_image`` / ``teacher_text`` of a batch: extracted ones as they come, live ones
@@ -191,8 +198,10 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
                     lr = engine.get_lr()[0]
                     run.log_metrics(logged | {"train/lr": lr, "train/samples_per_s": rate,
                                               "train/epoch": epoch + epoch_step / max(job.steps_per_epoch, 1)}, step)
-                    logger.info("epoch %d/%d step %d loss %.4f lr %.2e %.0f samples/s", epoch + 1, cfg.train.epochs,
-                                step, logged["train/loss"], lr, rate)
+                    total = job.steps_per_epoch * cfg.train.epochs
+                    logger.info("epoch %d/%d step %d/%d loss %.4f lr %.2e %.0f samples/s, %s", epoch + 1,
+                                cfg.train.epochs, step, total, logged["train/loss"], lr, rate,
+                                progress_eta(total - step, timer.samples_per_step, rate))
 
         metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
         card = None

@@ -36,11 +36,6 @@ class TrialRow:
     curve: list[tuple[int, float]] = field(default_factory=list)  # (epoch, metric)
 
 
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
 def _short(key: str) -> str:
     return key.split(".", 1)[-1]
 

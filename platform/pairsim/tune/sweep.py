@@ -53,6 +53,7 @@ class TrialJob:
     runs_path: str  # absolute: where the trials' Ray Train runs (checkpoints) live
     tracking_uri: str  # resolved on the driver (a relative sqlite path made absolute)
     log_level: str
+    context_tags: dict[str, str]  # the sweep driver's user, source and commit: trials run in actors
 
 
 def trial_run_name(sweep_name: str, trial_id: str) -> str:
@@ -70,7 +71,7 @@ def run_trial(point: dict[str, Any], job: TrialJob) -> None:
         "ray": cfg.ray.model_copy(update={"run_name": run_name, "storage_path": Path(job.runs_path)}),
         "data": cfg.data.model_copy(update={"max_cpus": data_cap}),
         "tracking": cfg.tracking.model_copy(update={"tracking_uri": job.tracking_uri})})
-    tags = {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
+    tags = job.context_tags | {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
     try:
         driver.fit(cfg, driver.SweepTrial(job.parent_run_id, tags))
     except BaseException as exc:
@@ -139,11 +140,11 @@ class SweepProgress(tune.Callback):
         spent = sum(self.epochs.values())
         elapsed = time.time() - self.started
         left = pending * self.sweep.epochs + sum(self.sweep.epochs - self.epochs.get(t.trial_id, 0) for t in running)
-        eta = f"ETA ≤ {results.duration(elapsed / spent * left)}" if spent else "ETA: after the first epoch"
+        eta = f"ETA ≤ {log.duration(elapsed / spent * left)}" if spent else "ETA: after the first epoch"
         stopped = sum(s == "stopped early" for s in self.ended.values())
         failed = sum(s == "failed" for s in self.ended.values())
         return (f"  [{done}/{self.total} done ({stopped} stopped early, {failed} failed), {len(running)} running, "
-                f"{pending} pending; {spent} trial-epochs in {results.duration(elapsed)}; {eta}]")
+                f"{pending} pending; {spent} trial-epochs in {log.duration(elapsed)}; {eta}]")
 
 
 def total_trials(sweep: Sweep) -> int:
@@ -223,7 +224,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
 
     job = TrialJob(sweep, name, parent_run_id, str(exp_dir / "runs"), tracking_uri,
                    logging.getLevelName(logger.getEffectiveLevel()) if sweep.settings.verbose_trials
-                   else TRIAL_LOG_LEVEL)
+                   else TRIAL_LOG_LEVEL, tracking.context_tags())
     # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials see the driver's directory, as a run does
     trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), {"CPU": 0, "memory": TRIAL_MEMORY})
