@@ -126,6 +126,15 @@ def test_check_ready_refuses_a_metric_the_val_data_cannot_give(tiny_dataset, tmp
     _check(single, "i2i_R@5")
 
 
+def test_a_run_names_the_metrics_its_data_cannot_give(tiny_dataset, tmp_path, caplog):
+    single = _single_caption_copy(tiny_dataset, tmp_path / "single", "val")
+    cfg = load_config(None, [f"data.path={single}", "eval.select_metric=i2t_R@1"])
+    with caplog.at_level("INFO", logger="pairsim"):
+        assert driver.skipped_metrics_tag(cfg) == {"pairsim.skipped_metrics": "t2t,grid"}
+    assert "the val split of" in caplog.text and "no text→text, the modality grid metrics" in caplog.text
+    assert driver.skipped_metrics_tag(load_config(None, [f"data.path={tiny_dataset}"])) == {}
+
+
 # --------------------------------------------------------------------------- data formats
 
 def _format_choices() -> list[str]:
@@ -173,3 +182,12 @@ def test_model_fusion_is_a_registered_name():
     assert load_config(None, ["model.fusion=normalized_sum"]).model.fusion in FUSIONS
     with pytest.raises(ConfigError, match="model.fusion: not a registered name.*normalized_sum"):
         load_config(None, ["model.fusion=concat"])
+
+
+@pytest.mark.parametrize("facts,skipped", [
+    (suite.DataFacts(True, True), {}),
+    (suite.DataFacts(False, True), {"i2i": "image→image"}),
+    (suite.DataFacts(True, False), {"t2t": "text→text", "grid": "the modality grid"}),
+    (suite.DataFacts(False, False), {"t2t": "text→text", "i2i": "image→image", "grid": "the modality grid"})])
+def test_the_groups_a_split_cannot_give_are_named(facts, skipped):
+    assert suite.skipped_groups((1, 5), facts) == skipped

@@ -283,6 +283,16 @@ def selectable_metrics(ks: Sequence[int], facts: DataFacts | None = None) -> dic
     return {name: mode for name, mode in metric_names(ks, facts).items() if mode is not None}
 
 
+def skipped_groups(ks: Sequence[int], facts: DataFacts) -> dict[str, str]:
+    """The metric groups (name prefix → label) that data with every fact gives and a split
+    with ``facts`` cannot: image→image without class labels, text→text and the modality grid
+    with one caption per image."""
+    given = metric_names(ks, facts)
+    labels = directions() | {"grid": "the modality grid"}
+    return {prefix: labels.get(prefix, prefix) for prefix in dict.fromkeys(
+        name.split("_", 1)[0] for name in metric_names(ks, DataFacts()) if name not in given)}
+
+
 def directions() -> dict[str, str]:
     """Every registered ranking direction: metric prefix → label (i2t → image→text, ...)."""
     return {prefix: label for _, family in METRICS.items() for prefix, label in family.directions.items()}

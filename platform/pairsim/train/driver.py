@@ -85,6 +85,27 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
     return best.path, result_report.metrics
 
 
+def split_facts(cfg: RunConfig, split: str) -> suite.DataFacts:
+    """What ``split`` of the run's data holds that decides its metrics (read from the shards)."""
+    return suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.path, split))
+
+
+def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
+    """``pairsim.skipped_metrics``: the metric groups the val (and test) split cannot give, e.g.
+    ``t2t,grid`` for one caption per image, each said once on the console; {} when none."""
+    skipped: dict[str, str] = {}
+    for split in filter(None, (cfg.data.val_split, cfg.data.test_split)):
+        try:
+            facts = split_facts(cfg, split)
+        except FileNotFoundError:  # a test split that is not there is not evaluated
+            continue
+        if groups := suite.skipped_groups(cfg.eval.ks, facts):
+            logger.info("the %s split of %s has %s: no %s metrics", split, cfg.data.path, facts.describe(),
+                        ", ".join(groups.values()))
+        skipped |= groups
+    return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
+
+
 def check_ready(cfg: RunConfig) -> None:
     """Everything that can be checked before the cluster is touched."""
     if cfg.optim.impl == "deepspeed" and not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
@@ -96,7 +117,7 @@ def check_ready(cfg: RunConfig) -> None:
             shards.split_files(cfg.data.path, split)
     except FileNotFoundError as exc:
         raise ConfigError(f"data.path: {exc}") from None
-    facts = suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.path, cfg.data.val_split))
+    facts = split_facts(cfg, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
     if cfg.eval.select_metric not in given:
         raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.path} ({facts.describe()}) "
@@ -197,8 +218,8 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     init_ray(cfg)
     check_cpu_budget(cfg)
     ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
-    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config,
-                               parent_run_id=trial and trial.parent_run_id, tags=trial and trial.tags)
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
+                               tags=skipped_metrics_tag(cfg) | (trial.tags if trial else {}))
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
