@@ -179,7 +179,9 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
         assert counts["images"] == len(split_rows)
         assert counts["captions"] == sum(len(r["captions"]) for r in split_rows)
         assert counts["shards"] == len(shards.split_files(out, split))
-    assert manifest["content_hash"] == shards.content_hash(out)
+        assert counts["content_hash"] == shards.split_content_hash(out, split)  # the files', not the markers'
+        assert counts["source"] == f"{fmt}:{cfg.input.name}"
+    assert manifest["content_hash"] == shards.content_hash(manifest["splits"])
     if fmt == "karpathy":  # restval is train; val kept apart
         assert sorted(manifest["splits"]) == ["train", "val"]
 
@@ -204,7 +206,7 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
 
     rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text(encoding="utf-8").splitlines()]
     assert manifest["rejected"] == len(rejects)
-    assert all(r["source"] and r["reason"] for r in rejects)
+    assert all(r["source"] and r["reason"] and set(r["split"].split(",")) <= set(manifest["splits"]) for r in rejects)
     image_reasons = {r["reason"] for r in rejects if r["kind"] == "image"}
     assert set(BAD.values()) <= image_reasons
     if fmt != "webdataset":
@@ -213,13 +215,14 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
     assert any(r["kind"] == "caption" and r["reason"] == "empty caption" for r in rejects)
     if fmt in ("karpathy", "webdataset"):
         dups = [r for r in rejects if r["reason"] == "duplicate image id"]
-        assert len(dups) == 1 and manifest["duplicate_image_ids"] == 1 and "first seen at" in dups[0]["detail"]
+        assert len(dups) == 1 and "first seen at" in dups[0]["detail"]
+        assert sum(c["duplicate_image_ids"] for c in manifest["splits"].values()) == 1
     if fmt == "csv":
-        assert CP1252 in stored["gray.png"]["captions"] and manifest["captions_recoded"] == 1
+        assert CP1252 in stored["gray.png"]["captions"] and manifest["splits"]["train"]["captions_recoded"] == 1
     if fmt == "folder":
         assert CP1252 in stored["rgb.png"]["captions"] and "one more for gray" in stored["gray.png"]["captions"]
     if fmt == "webdataset":
-        assert stored["latin"]["captions"] == [CP1252] and manifest["captions_recoded"] == 1
+        assert stored["latin"]["captions"] == [CP1252] and manifest["splits"]["train"]["captions_recoded"] == 1
         assert stored["onlyjson"]["captions"] == ["caption from the json"]
         assert {"no image file", "no valid caption"} <= image_reasons
 
@@ -300,3 +303,90 @@ def test_inspect_reports_counts_and_draws_a_contact_sheet(ray_instance, tmp_path
         assert sheet.mode == "RGB" and sheet.width > 4 * 192
         # tiles are drawn: the sheet is not blank
         assert np.asarray(sheet).std() > 10
+
+
+# --------------------------------------------------------------------------- several splits, one directory
+
+def _csv(path: Path, images: dict[str, list[str]]) -> Path:
+    path.write_text("filepath\ttitle\n" + "".join(f"imgs/{n}\t{c}\n" for n, caps in images.items() for c in caps))
+    return path
+
+
+def _gradients(root: Path, n: int) -> dict[str, list[str]]:
+    (root / "imgs").mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        _gradient(40 + i, 32).save(root / "imgs" / f"{i:03d}.png")
+    return {f"{i:03d}.png": [f"scene {i}"] for i in range(n)}  # one caption per image, as most CSVs
+
+
+def test_train_and_val_from_two_csvs_share_a_directory_and_leave_each_other_alone(ray_instance, tmp_path):
+    images = _gradients(tmp_path, 12)
+    names = sorted(images)
+    train_csv = _csv(tmp_path / "train.csv", {n: images[n] for n in names[:8]} | {"missing.png": ["gone"]})
+    val_csv = _csv(tmp_path / "val.csv", {n: images[n] for n in names[8:]})
+    out = tmp_path / "out"
+
+    def build(csv_path, split, **options):
+        return shards.build(BuildConfig(format="csv", input=csv_path, out=out, split=split,
+                                        **({"max_reject_share": 0.5} | options)), progress=False)
+
+    first = build(train_csv, "train")
+    train_files = _tree(out / "train")
+    both = build(val_csv, "val")
+    assert sorted(both["splits"]) == ["train", "val"] and both["splits"]["train"] == first["splits"]["train"]
+    assert _tree(out / "train") == train_files  # not rebuilt, not removed
+    assert both["splits"]["val"]["images"] == 4 and both["splits"]["val"]["source"] == "csv:val.csv"
+    assert both["content_hash"] == shards.content_hash(both["splits"]) != first["content_hash"]
+    rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text().splitlines()]
+    assert [(r["split"], r["reason"]) for r in rejects] == [("train", "missing file")]  # train's kept
+    assert both["rejected"] == 1
+
+    again = build(_csv(tmp_path / "val2.csv", {n: images[n] for n in names[8:10]}), "val")  # replaces val only
+    assert again["splits"]["val"]["images"] == 2 and len(shards.split_files(out, "val")) == 1
+    assert again["splits"]["train"] == first["splits"]["train"] and _tree(out / "train") == train_files
+
+    with pytest.raises(shards.BuildError, match="rejected"):  # a failed val build: train stays usable
+        build(_csv(tmp_path / "bad.csv", {"nope.png": ["x"], names[9]: ["y"]}), "val", max_reject_share=0.1)
+    assert sorted(shards.read_manifest(out)["splits"]) == ["train"]
+    assert len(shards.split_files(out, "train")) == first["splits"]["train"]["shards"]
+
+
+def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_instance, tmp_path):
+    images = _gradients(tmp_path, 40)
+    for name in list(images)[::3]:
+        images[name] = images[name] + [f"another caption of {name}"]
+    csv_path = _csv(tmp_path / "all.csv", images)
+
+    def build(out, seed):
+        manifest = shards.build(BuildConfig(format="csv", input=csv_path, out=out, val_share=0.25, val_seed=seed),
+                                progress=False)
+        return manifest, {split: {r["image_id"]: r["captions"] for r in _rows(out, split)} for split in manifest["splits"]}
+
+    manifest, rows = build(tmp_path / "a", 0)
+    assert sorted(manifest["splits"]) == ["train", "val"]
+    assert not rows["train"].keys() & rows["val"].keys()
+    assert {**rows["train"], **rows["val"]} == {f"imgs/{n}": caps for n, caps in images.items()}
+    assert 3 <= len(rows["val"]) <= 18  # 10 expected of 40
+    assert build(tmp_path / "b", 0)[1] == rows  # the same draw again
+    assert build(tmp_path / "c", 1)[1]["val"].keys() != rows["val"].keys()
+    with pytest.raises(shards.BuildError, match="--val-share: .* already gives the splits train, val"):
+        shards.build(BuildConfig(format="karpathy", input=make_karpathy(tmp_path / "k")[0],
+                                 images_root=tmp_path / "k" / "images", out=tmp_path / "k-out", val_share=0.1,
+                                 max_reject_share=0.5), progress=False)
+
+
+@pytest.mark.parametrize("split", ["../../escaped", "..", ".build", "a/b", "/abs"])
+def test_a_split_name_cannot_leave_the_output(split, ray_instance, tmp_path):
+    path, images_root = make_karpathy(tmp_path / "src")
+    entries = json.loads(path.read_text())
+    entries["images"][0]["split"] = split
+    path.write_text(json.dumps(entries))
+    out = tmp_path / "deep" / "out"
+    manifest = shards.build(BuildConfig(format="karpathy", input=path, images_root=images_root, out=out,
+                                        max_reject_share=0.5), progress=False)
+    assert split not in manifest["splits"]
+    assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["out"] and not (tmp_path / "escaped").exists()
+    rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text().splitlines()]
+    assert any(r["reason"] == "bad split name" and repr(split) in r["detail"] for r in rejects)
+    with pytest.raises(ConfigError, match="split"):
+        BuildConfig.from_args(format="csv", input=path, out=out, split=split)

@@ -25,8 +25,10 @@ def test_schema_and_counts_match_the_manifest(tmp_path):
     synth.generate(tmp_path, num_train=30, num_val=7, num_test=5, rows_per_shard=8, image_size=48, progress=False)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["schema_version"] == shards.SCHEMA_VERSION
-    assert manifest["splits"]["train"] == {"images": 30, "captions": 150, "shards": 4}
-    assert manifest["content_hash"] == shards.content_hash(tmp_path)
+    assert {k: manifest["splits"]["train"][k] for k in ("images", "captions", "shards")} == \
+        {"images": 30, "captions": 150, "shards": 4}
+    assert all(c["content_hash"] == shards.split_content_hash(tmp_path, s) for s, c in manifest["splits"].items())
+    assert manifest["content_hash"] == shards.content_hash(manifest["splits"])
     for split, counts in manifest["splits"].items():
         files = shards.split_files(tmp_path, split)
         assert len(files) == counts["shards"]

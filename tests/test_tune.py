@@ -189,3 +189,22 @@ def test_trials_that_do_not_fit_the_cluster_are_refused_before_the_sweep(ray_ins
     with pytest.raises(ConfigError, match=r"sweep\.max_concurrent_trials: 3 trials .* \(2 do\)"):
         concurrency(sweep_with(max_concurrent_trials=3))
     assert concurrency(sweep_with()) == 2 and concurrency(sweep_with(max_concurrent_trials=1)) == 1
+
+
+def test_two_trials_at_once_share_the_cpus_and_both_finish(ray_instance, tiny_dataset, tmp_path):
+    """Two concurrent trials on the session's 4 CPUs, each 1 worker + 1 CPU for Ray Data: both
+    stream their data and finish (no trial starves the other's ingest), and their runs overlap
+    in time. The trials' runs carry the sweep driver's source tags, not the trial actor's."""
+    from pairsim.tune.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write_sweep(tmp_path / "pair.yaml", tiny_dataset, tmp_path / "ray", uri,
+                       {"loss.margin": {"grid": [0.1, 0.3]}},
+                       {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 2})
+    outcome = run_sweep(load_sweep(path, ["train.epochs=1"]), "pair")
+    assert [r.status for r in outcome.rows] == ["finished", "finished"]
+    runs = [MlflowClient(uri).get_run(r.run_id) for r in outcome.rows]
+    assert all("val/rsum" in run.data.metrics for run in runs)
+    (a, b) = [(run.info.start_time, run.info.end_time) for run in runs]
+    assert a[0] < b[1] and b[0] < a[1], "the trials ran one after the other"
+    assert {run.data.tags["mlflow.source.name"] for run in runs} == {tracking.context_tags()["mlflow.source.name"]}

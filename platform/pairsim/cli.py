@@ -171,7 +171,7 @@ def _shards(args: argparse.Namespace) -> None:
         return
     cfg = BuildConfig.from_args(
         format=args.format, input=args.input, out=args.out, images_root=args.images_root, split=args.split,
-        rows_per_shard=args.rows_per_shard, shard_mb=args.shard_mb, max_side=args.max_side,
+        val_share=args.val_share, val_seed=args.val_seed, rows_per_shard=args.rows_per_shard, shard_mb=args.shard_mb, max_side=args.max_side,
         jpeg_quality=args.jpeg_quality, max_reject_share=args.max_reject_share, csv_image_key=args.csv_image_key,
         csv_caption_key=args.csv_caption_key,
         csv_separator=args.csv_separator and codecs.decode(args.csv_separator, "unicode_escape"))
@@ -197,7 +197,10 @@ def add_shards_parser(sub) -> None:
     build.add_argument("--input", type=Path, required=True, help=fields["input"].description)
     build.add_argument("--out", type=Path, required=True, help=fields["out"].description)
     build.add_argument("--images-root", type=Path, help=fields["images_root"].description)
-    build.add_argument("--split", help=fields["split"].description + " (default train)")
+    build.add_argument("--split", help=fields["split"].description + " (default train); other splits already in "
+                                        "--out are kept, so train and val can come from two files")
+    build.add_argument("--val-share", type=float, help=fields["val_share"].description + ", e.g. 0.05")
+    build.add_argument("--val-seed", type=int, help=fields["val_seed"].description + " (default 0)")
     size = build.add_mutually_exclusive_group()
     size.add_argument("--rows-per-shard", type=int, help=fields["rows_per_shard"].description)
     size.add_argument("--shard-mb", type=float, help=fields["shard_mb"].description + " (default 256)")

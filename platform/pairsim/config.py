@@ -402,6 +402,9 @@ class RunConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+SPLIT_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"  # a directory name inside the dataset: no '..', no hidden name
+
+
 class BuildConfig(_Section):
     """One shard build (``pairsim shards build``): where the source is, where the shards go,
     how big they are and how images are cleaned."""
@@ -411,7 +414,10 @@ class BuildConfig(_Section):
     input: Path = Field(description="split file, CSV, JSONL, or a .tar / directory of .tar files")
     out: Path = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json)")
     images_root: Path | None = Field(None, description="where relative image paths resolve (default: the input's directory)")
-    split: str = Field("train", pattern=r"^[A-Za-z0-9_.-]+$", description="split name for csv, webdataset, folder")
+    split: str = Field("train", pattern=SPLIT_NAME, description="split name for csv, webdataset, folder")
+    val_share: Float | None = Field(None, gt=0.0, lt=1.0, description="hold out this share of the images (all "
+                                    "their captions) as split val, seeded, when the source gives one split")
+    val_seed: Int = Field(0, description="seed of the val_share draw")
     rows_per_shard: Int | None = Field(None, ge=1, description="target shard size in images (instead of shard_mb)")
     shard_mb: Float = Field(256.0, gt=0.0, description="target shard size in MB of source image bytes")
     max_side: Int = Field(1024, ge=16, description="longer image sides are downscaled to this (aspect kept)")

@@ -26,9 +26,10 @@ import hashlib
 import io
 import json
 import os
+import re
 import uuid
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
 from pairsim.data import sources
-from pairsim.config import BuildConfig
+from pairsim.config import SPLIT_NAME, BuildConfig
 from pairsim.registry import DATA_FORMATS
 
 SCHEMA_VERSION = 1
@@ -99,29 +100,46 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def content_hash(root: Path, digests: dict[str, str] | None = None) -> str:
-    """SHA-256 over every shard's relative path and SHA-256, in sorted order (``digests``:
-    relative path → digest already known, e.g. from the build's shard markers)."""
+def split_content_hash(root: Path, split: str, digests: dict[str, str] | None = None) -> str:
+    """SHA-256 over a split's shards' file names and SHA-256s, in sorted order (``digests``:
+    ``split/file`` → digest already known, e.g. from the build's shard markers)."""
     digests = digests or {}
     digest = hashlib.sha256()
-    for path in sorted(Path(root).glob("*/*.parquet")):
+    for path in sorted((Path(root) / split).glob("*.parquet")):
         rel = path.relative_to(root).as_posix()
         digest.update(rel.encode())
         digest.update((digests.get(rel) or file_digest(path)).encode())
     return digest.hexdigest()
 
 
-def write_manifest(root: Path, source: str, splits: dict[str, dict[str, int]], rejected: int = 0,
+def content_hash(splits: dict[str, dict[str, Any]]) -> str:
+    """The dataset's hash: SHA-256 over each split's name and content hash, in sorted order."""
+    digest = hashlib.sha256()
+    for split in sorted(splits):
+        digest.update(f"{split}:{splits[split]['content_hash']}".encode())
+    return digest.hexdigest()
+
+
+def write_manifest(root: Path, source: str, splits: dict[str, dict[str, Any]], rejected: int | None = None,
                    digests: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """``manifest.json`` over ``splits`` (name → images, captions, shards, and optionally
+    content_hash, rejected, source, build); a split's missing content hash is computed from
+    its files; ``rejected`` (default: the splits' sum) is the lines of ``rejects.jsonl``.
+    Written atomically: a reader sees the old manifest or the new one."""
+    splits = {name: {"rejected": 0, "source": source} | counts
+              | {"content_hash": counts.get("content_hash") or split_content_hash(root, name, digests)}
+              for name, counts in splits.items()}
     manifest = {
         "schema_version": SCHEMA_VERSION,
-        "source": source,
+        "source": ", ".join(sorted({c["source"] for c in splits.values()})) or source,
         "splits": splits,
-        "rejected": rejected,
-        "content_hash": content_hash(root, digests),
+        "rejected": sum(c["rejected"] for c in splits.values()) if rejected is None else rejected,
+        "content_hash": content_hash(splits),
         **extra,
     }
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    tmp = root / f"{MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, root / MANIFEST)
     return manifest
 
 
@@ -309,15 +327,65 @@ class BuildShard:
         return {"split": plan["split"], "index": plan["index"], "images": len(rows), "rejected": len(rejects)}
 
 
-def _remove_leftovers(out: Path, plans: list[dict[str, Any]]) -> None:
-    """Temporary files of killed tasks, and shards an earlier, larger build left behind."""
+def _remove_leftovers(out: Path, plans: list[dict[str, Any]], splits: list[str]) -> None:
+    """Temporary files of killed tasks, and shards of ``splits`` an earlier, larger build of
+    them left behind; other splits' files are not touched."""
     planned = {(p["split"], shard_name(p["index"])) for p in plans}
-    for path in list(out.glob("*/*.tmp")) + list(out.glob(f"{MARKERS}/*/*.tmp")):
+    for path in [*out.glob("*.tmp"), *out.glob(f"{MARKERS}/*.tmp")] + [
+            p for split in splits for p in (*(out / split).glob("*.tmp"), *(out / MARKERS / split).glob("*.tmp"))]:
         path.unlink()
-    for path in out.glob("*/part-*.parquet"):
-        if (path.parent.name, path.name) not in planned:
-            path.unlink()
-            _marker_path(out, path.parent.name, int(path.stem.split("-")[1])).unlink(missing_ok=True)
+    for split in splits:
+        for path in (out / split).glob("part-*.parquet"):
+            if (split, path.name) not in planned:
+                path.unlink()
+                _marker_path(out, split, int(path.stem.split("-")[1])).unlink(missing_ok=True)
+
+
+def hold_out(records: list[sources.Record], share: float, seed: int, split: str = "val") -> list[sources.Record]:
+    """Move a seeded ``share`` of the images, with all their captions, to ``split``: an image
+    goes when SHA-256(seed:image id) falls in the lowest ``share`` of the range, so the choice
+    is the same in any input order and on any re-run."""
+    def drawn(image_id: str) -> bool:
+        return int.from_bytes(hashlib.sha256(f"{seed}:{image_id}".encode()).digest()[:8]) < share * 2**64
+
+    return [replace(r, split=split) if drawn(r.image_id) else r for r in records]
+
+
+def _other_splits(out: Path, built: list[str]) -> dict[str, dict[str, Any]]:
+    """The splits of an existing dataset at ``out`` that this build leaves alone. The manifest
+    is rewritten to list only them while the build runs (removed when there are none), so an
+    interrupted build never leaves a manifest naming half-built shards."""
+    try:
+        manifest = read_manifest(out)
+    except FileNotFoundError:
+        return {}
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise BuildError(f"{out}: its manifest has schema version {manifest.get('schema_version')}, this pairsim "
+                         f"writes {SCHEMA_VERSION}; build into a new directory")
+    others = {name: counts for name, counts in manifest["splits"].items() if name not in built}
+    if others:
+        write_manifest(out, manifest["source"], others)
+    else:
+        (out / MANIFEST).unlink()
+    return others
+
+
+def _write_rejects(out: Path, rejects: list[dict[str, str]], built: list[str]) -> None:
+    """``rejects.jsonl``: this build's rejects, each with its split, after the earlier builds'
+    rejects of the other splits."""
+    kept = []
+    if (out / REJECTS).is_file():
+        for line in (out / REJECTS).read_text(encoding="utf-8").splitlines():
+            old = json.loads(line)
+            if old.get("split") and not set(old["split"].split(",")) & set(built):
+                kept.append(line)
+    tmp = out / f"{REJECTS}.{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in kept:
+            f.write(line + "\n")
+        for reject in rejects:
+            f.write(json.dumps(reject, ensure_ascii=False, sort_keys=True) + "\n")
+    os.replace(tmp, out / REJECTS)
 
 
 def _reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
@@ -326,11 +394,14 @@ def _reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
 
 
 def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
-    """Build ``cfg.out`` from ``cfg.input``; returns the manifest.
+    """Build the splits of ``cfg.input`` into ``cfg.out``; returns the manifest.
 
-    Raises :class:`BuildError` when more than ``max_reject_share`` of the images (or captions)
-    is rejected — after writing ``rejects.jsonl``, and without a manifest, so the directory
-    cannot be trained on by mistake.
+    Other splits already in ``cfg.out`` (built earlier from another source, e.g. a val CSV
+    after a train CSV) are kept as they are, files, manifest entries and rejects alike.
+    ``cfg.val_share`` holds out a seeded share of the images as split ``val``. Raises
+    :class:`BuildError` when more than ``max_reject_share`` of the images (or captions) is
+    rejected — after writing ``rejects.jsonl``, and without listing the built splits in the
+    manifest, so they cannot be trained on by mistake.
     """
     import ray
 
@@ -342,11 +413,30 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     if not listing.records:
         raise BuildError(f"{cfg.input}: no usable image-caption records "
                          f"({_reject_summary([r.to_json() for r in listing.rejects]) or 'the input is empty'})")
+    records = []
+    for record in listing.records:  # a split name becomes a directory: it must stay one, inside the output
+        if re.fullmatch(SPLIT_NAME, record.split):
+            records.append(record)
+        else:
+            listing.rejects.append(sources.Reject("record", record.source, "bad split name",
+                                                  f"{record.split!r} is not a plain directory name", record.image_id))
+    if not records:
+        raise BuildError(f"{cfg.input}: no record with a usable split name ({_reject_summary([r.to_json() for r in listing.rejects])})")
+    if cfg.val_share:
+        listed = sorted({r.split for r in records})
+        if listed != [cfg.split] or cfg.split == "val":
+            raise BuildError(f"--val-share: {cfg.input} already gives the splits {', '.join(listed)}; a share is "
+                             "held out of a source that gives one split, not val")
+        records = hold_out(records, cfg.val_share, cfg.val_seed)
+        if not any(r.split == "val" for r in records) or all(r.split == "val" for r in records):
+            raise BuildError(f"--val-share {cfg.val_share}: of {len(records)} images none would stay in "
+                             f"{'val' if all(r.split == 'val' for r in records) else cfg.split}; change the share")
+    built = sorted({r.split for r in records})
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)  # a manifest only ever describes a finished build
-    plans = plan_shards(listing.records, cfg)
-    _remove_leftovers(out, plans)
+    others = _other_splits(out, built)
+    plans = plan_shards(records, cfg)
+    _remove_leftovers(out, plans, built)
     pending = [p for p in plans if _read_marker(out, p) is None]
 
     bar = tqdm(total=len(plans), initial=len(plans) - len(pending), desc=f"shards {out.name}", unit="shard",
@@ -367,12 +457,13 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     incomplete = [shard_name(p["index"]) for p, m in markers if m is None]
     if incomplete:
         raise BuildError(f"{len(incomplete)} shards did not complete (e.g. {incomplete[0]}); re-run to resume")
-    rejects = [r.to_json() for r in listing.rejects] + [r for _, m in markers for r in m["rejects"]]
-    with open(out / REJECTS, "w", encoding="utf-8") as f:
-        for reject in rejects:
-            f.write(json.dumps(reject, ensure_ascii=False, sort_keys=True) + "\n")
+    split_of = {r.image_id: r.split for r in records}
+    unknown = cfg.split if cfg.format != "karpathy" else ",".join(built)  # a record too broken to have a split
+    rejects = [r.to_json() | {"split": split_of.get(r.image_id, unknown)} for r in listing.rejects] + [
+        r | {"split": p["split"]} for p, m in markers for r in m["rejects"]]
+    _write_rejects(out, rejects, built)
 
-    splits: dict[str, dict[str, int]] = {}
+    splits: dict[str, dict[str, Any]] = {}
     for plan, marker in markers:
         counts = splits.setdefault(plan["split"], {"images": 0, "captions": 0, "shards": 0})
         counts["images"] += marker["images"]
@@ -389,11 +480,16 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
         raise BuildError(
             f"{shares[worst]:.1%} of the {worst} were rejected (limit max_reject_share={cfg.max_reject_share:.0%}); "
             f"mostly {_reject_summary(rejects)}. Every reject is listed with its source in {out / REJECTS}")
-    return write_manifest(
-        out, source=f"{cfg.format}:{Path(cfg.input).name}", splits=splits, rejected=len(rejects),
-        digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers},
-        build=cfg.model_dump(mode="json", exclude={"out"}), captions_recoded=listing.captions_recoded,
-        duplicate_image_ids=sum(r.get("reason") == "duplicate image id" for r in rejects))
+    source = f"{cfg.format}:{Path(cfg.input).name}"
+    build_options = cfg.model_dump(mode="json", exclude={"out"})
+    for name, counts in splits.items():
+        counts |= {"source": source, "build": build_options,  # captions_recoded: of the source
+                   "rejected": sum(name in r["split"].split(",") for r in rejects),
+                   "captions_recoded": listing.captions_recoded,
+                   "duplicate_image_ids": sum(r.get("reason") == "duplicate image id" and r["split"] == name
+                                              for r in rejects)}
+    return write_manifest(out, source, others | splits, rejected=len((out / REJECTS).read_text().splitlines()),
+                          digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers})
 
 
 # --------------------------------------------------------------------------- inspect
