@@ -488,7 +488,8 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
                    "captions_recoded": listing.captions_recoded,
                    "duplicate_image_ids": sum(r.get("reason") == "duplicate image id" and r["split"] == name
                                               for r in rejects)}
-    return write_manifest(out, source, others | splits, rejected=len((out / REJECTS).read_text().splitlines()),
+    rejected = len((out / REJECTS).read_text(encoding="utf-8").splitlines())
+    return write_manifest(out, source, others | splits, rejected=rejected,
                           digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers})
 
 
