@@ -96,7 +96,8 @@ def ray_instance():
     modules unpickle there."""
     import ray
 
-    from pairsim.train.driver import IDLE_WORKERS_KEPT, LOCAL_RUNTIME_ENV
+    from pairsim.train.driver import IDLE_WORKERS_KEPT
+    from pairsim.train.local_ray import LOCAL_RUNTIME_ENV
 
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported

@@ -76,3 +76,19 @@ def test_an_orphaned_run_frees_its_workers_beside_another_local_instance(tmp_pat
     finally:
         other.kill()
         other.wait()
+
+
+def test_the_setup_hook_leaves_torch_the_threads_ray_gives_a_task(ray_instance):
+    """The hook runs in every worker of the instance before its first task; had it imported
+    torch, torch would keep all the cores' threads instead of the task's one CPU."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def threads():
+        import os
+
+        import torch
+
+        return torch.get_num_threads(), os.environ.get("RAY_ADDRESS")
+
+    assert ray.get(threads.remote()) == (1, ray.get_runtime_context().gcs_address)

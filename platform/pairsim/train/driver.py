@@ -32,6 +32,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import engine
+from pairsim.train.local_ray import LOCAL_RUNTIME_ENV
 from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
 
 logger = log.get_logger("train")
@@ -162,23 +163,6 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
         cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
         ray.init(num_cpus=cpus, log_to_driver=log_to_driver, runtime_env=LOCAL_RUNTIME_ENV,
                  _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
-
-
-def address_own_cluster() -> None:
-    """Every worker of a local instance sets ``RAY_ADDRESS`` to its own cluster's GCS.
-
-    The State API, which Train V2's ``PlacementGroupCleaner`` asks whether a run's controller is
-    still alive, otherwise finds its cluster by scanning the machine's GCS processes: with a
-    second local instance on the machine (a test suite beside a demo, two sweeps) it raised
-    "Found multiple active Ray instances" in the cleaner's thread, and the workers' placement
-    group of a trial stopped by ASHA was never freed, so the next trial waited for its CPUs
-    forever. A ``ray start`` cluster names itself in ``/tmp/ray/ray_current_cluster`` and a
-    submitted job has ``RAY_ADDRESS``: they need nothing."""
-    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-
-
-# the runtime environment of pairsim's local instances (the tests' own instance uses it too)
-LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}"}
 
 
 def check_cpu_budget(cfg: RunConfig) -> None:
