@@ -109,7 +109,7 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
 
 def check_ready(cfg: RunConfig) -> None:
     """Everything that can be checked before the cluster is touched."""
-    if cfg.optim.impl == "deepspeed" and not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+    if cfg.optim.impl == "deepspeed" and starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
     clip.check_model_config(cfg.model)
@@ -143,6 +143,12 @@ def run_cpus(cfg: RunConfig) -> float:
     return cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus
 
 
+def starts_local_instance(cfg: RunConfig) -> bool:
+    """Whether a run starts its own Ray instance on this machine: no ``ray.address`` and no
+    ``RAY_ADDRESS`` (set inside a ``ray job submit`` job)."""
+    return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
     """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
     a local instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
@@ -157,7 +163,7 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
     ray.data.DataContext.get_current().enable_progress_bars = False
     if ray.is_initialized():
         return
-    if cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+    if not starts_local_instance(cfg):
         ray.init(address=cfg.ray.address, log_to_driver=log_to_driver)  # None: Ray reads RAY_ADDRESS
     else:
         cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
