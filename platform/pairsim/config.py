@@ -82,6 +82,22 @@ class ModelConfig(_Section):
                                       "pairsim.registry.FUSIONS (pairsim.models.fusion): normalized_sum "
                                       "or raw_sum (UniIR's CLIP-SF)")
     crossmodal_heads: Bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
+    lock_image: Bool = Field(False, description="freeze the image tower (LiT; open_clip's --lock-image)")
+    lock_image_unlocked_groups: Int = Field(
+        0, ge=0, description="with lock_image: the last N layer groups of the image tower keep training "
+                             "(open_clip's --lock-image-unlocked-groups)")
+    lock_text: Bool = Field(False, description="freeze the text tower (open_clip's --lock-text)")
+    lock_text_unlocked_layers: Int = Field(
+        0, ge=0, description="with lock_text: the last N groups of the text tower keep training — the projection, "
+                             "then the last block with the final LayerNorm, ... (open_clip's "
+                             "--lock-text-unlocked-layers)")
+
+    @model_validator(mode="after")
+    def _unlocked_needs_lock(self) -> ModelConfig:
+        for tower, unlocked in (("image", "lock_image_unlocked_groups"), ("text", "lock_text_unlocked_layers")):
+            if getattr(self, unlocked) and not getattr(self, f"lock_{tower}"):
+                raise ValueError(f"model.{unlocked}: only applies with model.lock_{tower}=true")
+        return self
 
 
 class TemperatureConfig(_Section):
@@ -297,6 +313,29 @@ class OptimConfig(_Section):
                              "FusedAdam, a CUDA op built with nvcc on first use unless DeepSpeed was installed with it")
 
 
+DEEPSPEED_OWNED_KEYS = {
+    "train_batch_size": "train.micro_batch_size and train.accumulate_steps",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.accumulate_steps",
+    "gradient_clipping": "optim.grad_clip",
+    "zero_optimization.stage": "train.zero_stage",
+    "bf16.enabled": "train.precision",
+    "fp16.enabled": "train.precision",
+    "optimizer": "optim.*",
+    "scheduler": "optim.*",
+}
+"""DeepSpeed config keys that ``train.deepspeed`` may not set: pairsim derives them from the field named."""
+_MISSING = object()
+
+
+def _dotted_get(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _MISSING
+        tree = tree[part]
+    return tree
+
+
 class TrainConfig(_Section):
     """The distributed training loop."""
 
@@ -310,12 +349,34 @@ class TrainConfig(_Section):
     micro_batch_size: Int = Field(64, ge=2, description="rows per worker per step")
     zero_stage: Int = Field(2, ge=0, le=3)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    accumulate_steps: Int = Field(
+        1, ge=1, description="micro-batches per optimizer step (the global batch is micro_batch_size × "
+                             "num_workers × accumulate_steps)")
+    accumulate_mode: Literal["cache_features", "independent"] = Field(
+        "cache_features", description="cache_features: the loss sees all accumulated micro-batches as one "
+                                      "batch, negatives included (GradCache; one extra no-grad forward per "
+                                      "micro-batch); independent: each micro-batch is its own contrastive batch")
+    grad_checkpointing: Bool = Field(False, description="recompute the towers' activations in backward "
+                                                        "(open_clip's --grad-checkpointing)")
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="merged over the DeepSpeed config pairsim derives (e.g. "
+                                          "zero_optimization.offload_optimizer); keys pairsim sets from its own "
+                                          "fields are refused, naming the field")
     log_every_n_steps: Int = Field(10, ge=1)
     seed: Int = 0
 
+    @field_validator("deepspeed")
+    @classmethod
+    def _no_owned_deepspeed_keys(cls, tree: dict[str, Any]) -> dict[str, Any]:
+        owned = [f"{key} (set {field})" for key, field in DEEPSPEED_OWNED_KEYS.items()
+                 if _dotted_get(tree, key) is not _MISSING]
+        if owned:
+            raise ValueError("pairsim sets these from its own fields: " + "; ".join(owned))
+        return tree
+
 
 class EvalConfig(_Section):
-    """The evaluation suite (:mod:`pairsim.evaluate`): on the val split after each epoch, and on
+    """The evaluation suite (:mod:`pairsim.eval`): on the val split after each epoch, and on
     the test split once, with the best checkpoint, at the end."""
 
     batch_size: Int = Field(256, ge=1)

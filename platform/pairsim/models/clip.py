@@ -54,6 +54,17 @@ def create_model(cfg: ModelConfig) -> torch.nn.Module:
     return model
 
 
+def lock_towers(model: torch.nn.Module, cfg: ModelConfig) -> None:
+    """Freeze the towers ``cfg`` locks, the last ``lock_image_unlocked_groups`` /
+    ``lock_text_unlocked_layers`` left trainable, with open_clip's own ``lock_image_tower`` /
+    ``lock_text_tower`` (LiT: Zhai et al., "LiT: Zero-Shot Transfer with Locked-image text
+    Tuning", CVPR 2022)."""
+    if cfg.lock_image:
+        model.lock_image_tower(unlocked_groups=cfg.lock_image_unlocked_groups)
+    if cfg.lock_text:
+        model.lock_text_tower(unlocked_layers=cfg.lock_text_unlocked_layers)
+
+
 def preprocess_cfg(cfg: ModelConfig) -> PreprocessCfg:
     """The model's image preprocessing, derived as open_clip does, without building the model."""
     model_cfg = open_clip.get_model_config(cfg.arch)

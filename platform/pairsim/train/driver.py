@@ -39,10 +39,10 @@ logger = log.get_logger("train")
 
 
 def steps_per_epoch(cfg: RunConfig) -> int:
-    """Global steps in one epoch over the train split (the last partial global batch is dropped)."""
+    """Optimizer steps in one epoch over the train split (the last partial global batch is dropped)."""
     counts = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
     pairs = counts["captions"] if cfg.data.pairs_per_image == "all" else counts["images"] * cfg.data.pairs_per_image
-    return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers)
+    return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers * cfg.train.accumulate_steps)
 
 
 @dataclass
@@ -131,8 +131,10 @@ def check_ready(cfg: RunConfig) -> None:
                           f"({cfg.data.cpus_per_task}): ingest could never run")
     if steps_per_epoch(cfg) < 1:
         raise ConfigError(
-            f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers is larger "
-            f"than the {cfg.data.train_split} split of {cfg.data.path}")
+            f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers × "
+            f"{cfg.train.accumulate_steps} accumulated is larger than the {cfg.data.train_split} split of {cfg.data.path}")
+    if cfg.train.deepspeed:
+        engine.check_deepspeed_config(engine.deepspeed_config(cfg.train, cfg.optim, steps_per_epoch(cfg)))
 
 
 IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit

@@ -23,15 +23,16 @@ from typing import Any
 import ray.train
 import torch
 
-from pairsim import dist
-from pairsim.config import OptimConfig, RunConfig, TrainConfig
+from pairsim import dist, log
+from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, merge
 from pairsim.losses import Objective, build_objective, temperatures
-from pairsim.models import retrieval
+from pairsim.models import clip, retrieval
 from pairsim.models.retrieval import RetrievalModel
 
 CHECKPOINT_TAG = "deepspeed"
 CARD_FILE = "pairsim_model.json"
 MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
+logger = log.get_logger("train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -40,27 +41,29 @@ class TrainingModule(torch.nn.Module):
     temperatures train (and are partitioned by ZeRO) with the model.
 
     ``forward(image, text)`` returns the model's embeddings; given the batch's ``group_ids``
-    (and teacher embeddings for CUSA) it returns the objective's loss terms instead.
+    (and teacher embeddings for CUSA) it returns the objective's loss terms instead, over the
+    embeddings followed by ``cached_features`` when given (the other micro-batches of a
+    gradient-cache step, :mod:`pairsim.train.accumulation`).
     """
 
     def __init__(self, model: RetrievalModel, objective: Objective):
         super().__init__()
         self.model, self.objective = model, objective
 
-    def forward(self, image=None, text=None, **batch) -> dict[str, torch.Tensor]:
+    def forward(self, image=None, text=None, cached_features: dict[str, torch.Tensor] | None = None,
+                **batch) -> dict[str, torch.Tensor]:
         features = self.model(image=image, text=text)
+        if cached_features is not None:
+            features = {k: torch.cat([v, cached_features[k]]) for k, v in features.items()}
         return self.objective(**features, **batch) if batch else features
 
 
 def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -> dict[str, Any]:
-    """The DeepSpeed config of a run: ZeRO stage, precision, clipping, AdamW, warm-up + cosine LR.
-
-    Gradient accumulation stays 1: a contrastive loss over accumulated micro-batches is not the
-    loss over the larger batch (its negatives differ).
-    """
-    return {
+    """The DeepSpeed config of a run: ZeRO stage, precision, clipping, AdamW, warm-up + cosine LR
+    over ``total_steps`` optimizer steps, gradient accumulation, with ``train.deepspeed`` merged over."""
+    return merge({
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": train.accumulate_steps,
         "gradient_clipping": optim.grad_clip,
         "zero_optimization": {"stage": train.zero_stage},
         "bf16": {"enabled": train.precision == "bf16"},
@@ -81,7 +84,18 @@ def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
-    }
+    }, train.deepspeed)
+
+
+def check_deepspeed_config(ds_config: dict[str, Any]) -> None:
+    """Parse ``ds_config`` with DeepSpeed's own parser on the driver: a bad ``train.deepspeed``
+    key fails here, named, not in every worker."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(ds_config)
+    except Exception as exc:  # DeepSpeed raises pydantic, assertion and value errors alike
+        raise ConfigError(f"train.deepspeed: DeepSpeed refuses the merged config: {exc}") from None
 
 
 def deepspeed_arch_list(value: str) -> str:
@@ -120,14 +134,16 @@ def prepare_deepspeed_ops() -> None:
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """No weight decay on gains, biases, embeddings of position/class and other 1-D params (as open_clip)."""
+    """The trainable parameters, no weight decay on gains, biases, embeddings of position/class
+    and other 1-D params (as open_clip); groups left empty by locked towers are dropped."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         exclude = param.ndim < 2 or "bn" in name or "ln" in name or "bias" in name or "logit_scale" in name
         (no_decay if exclude else decay).append(param)
-    return [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+    groups = [{"params": no_decay, "weight_decay": 0.0}, {"params": decay, "weight_decay": weight_decay}]
+    return [group for group in groups if group["params"]]
 
 
 def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
@@ -141,7 +157,12 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
     torch.manual_seed(cfg.train.seed)
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,
                                              unimodal_heads="image_unimodal" in objective.needs)
+    clip.lock_towers(model.clip, cfg.model)
+    model.clip.set_grad_checkpointing(cfg.train.grad_checkpointing)
     module = TrainingModule(model, objective)
+    if dist.rank() == 0:
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        logger.info("%s of %s parameters train", f"{trainable:,}", f"{sum(p.numel() for p in module.parameters()):,}")
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                            model_parameters=parameter_groups(module, cfg.optim.weight_decay))
     return engine

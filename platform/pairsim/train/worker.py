@@ -23,6 +23,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers.encoders import MODALITIES, Teacher
 from pairsim.teachers.store import teacher_sources
 from pairsim.tracking import RunLogger
+from pairsim.train import accumulation
 from pairsim.train import engine as engines
 
 logger = log.get_logger("train")
@@ -174,18 +175,19 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
             local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
             local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
-        timer = StepTimer(cfg.train.micro_batch_size * world)
-        for epoch_step, batch in enumerate(ingest.equal_steps(batches), start=1):
+        timer = StepTimer(cfg.train.micro_batch_size * world * cfg.train.accumulate_steps)
+        micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
+        for epoch_step, group in enumerate(micro_batches, start=1):
             timer.batch_ready()
             try:
-                out = engine(image=normalize(batch["pixels"].to(engine.device), dtype),
-                             text=batch["tokens"].to(engine.device), group_ids=batch["group_ids"].to(engine.device),
-                             **teacher_embeddings(batch, live_teachers, engine.device))
+                out = accumulation.train_step(engine, [
+                    {"image": normalize(batch["pixels"].to(engine.device), dtype),
+                     "text": batch["tokens"].to(engine.device), "group_ids": batch["group_ids"].to(engine.device),
+                     **teacher_embeddings(batch, live_teachers, engine.device)} for batch in group],
+                    cache_features=cfg.train.accumulate_mode == "cache_features")
             except FloatingPointError as exc:
                 raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
             loss = out["loss"]
-            engine.backward(loss)
-            engine.step()
             engines.clamp_temperatures(engine)
             step += 1
             timer.step_done()
