@@ -338,10 +338,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2
-    except (BuildError, FileNotFoundError, SweepFailed) as exc:
+    except Exception as exc:
+        if not isinstance(exc, _reported_errors()):
+            raise
         print(f"pairsim: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _reported_errors() -> tuple[type[Exception], ...]:
+    """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
+    as the engine's pulls in torch."""
+    from pairsim.train.engine import UnsafeCheckpointError
+
+    return BuildError, FileNotFoundError, SweepFailed, UnsafeCheckpointError
 
 
 if __name__ == "__main__":

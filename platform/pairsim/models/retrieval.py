@@ -113,7 +113,7 @@ def load_exported(weights: str | Path) -> tuple[RetrievalModel, dict[str, Any]]:
     cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights)})
     model = create_retrieval_model(cfg, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
     if heads_file.is_file():
-        missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu"), strict=False)
+        missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu", weights_only=True), strict=False)
         missing = [k for k in missing if not k.startswith("clip.")]
         if missing or unexpected:
             raise ValueError(f"{heads_file}: heads do not fit the model card (missing {missing}, "

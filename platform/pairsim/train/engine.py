@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -208,12 +209,47 @@ def clamp_temperatures(engine) -> None:
         temperature.clamp_()  # the module's copy (at ZeRO-0 fp32 the master itself)
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds more than tensors and DeepSpeed's states: loading it could run code."""
+
+
+def _deepspeed_globals() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoints besides tensors and plain containers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` that also accepts DeepSpeed's own state classes:
+    a file that would run code when unpickled is refused (:class:`UnsafeCheckpointError`),
+    naming it, with nothing executed."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError) as exc:  # RuntimeError: not torch's zip format
+        reason = str(exc).strip().splitlines()[0]
+        raise UnsafeCheckpointError(f"{path}: refused to load, it is not only tensors and DeepSpeed states "
+                                    f"({reason}); nothing in it was run") from None
+
+
+def verify_checkpoint_files(ckpt_dir: str | Path) -> None:
+    """Open every ``.pt`` file of a checkpoint with :func:`load_checkpoint_file` (memory-mapped,
+    so tensors are not read) before DeepSpeed's loader, which unpickles with
+    ``weights_only=False``, touches any."""
+    for path in sorted(Path(ckpt_dir).rglob("*.pt")):
+        load_checkpoint_file(path, mmap=True)
+
+
 def restore(engine) -> tuple[int, int]:
     """(first epoch to run, global step) from Ray Train's latest checkpoint, or (0, 0)."""
     checkpoint = ray.train.get_checkpoint()
     if not checkpoint:
         return 0, 0
     with checkpoint.as_directory() as ckpt_dir:
+        verify_checkpoint_files(ckpt_dir)
         _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
         dist.barrier()
     if engine.global_steps != client_state["global_step"]:
@@ -251,12 +287,13 @@ def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     ds_dir = Path(checkpoint) / CHECKPOINT_TAG
     if not ds_dir.is_dir():
         raise FileNotFoundError(f"{checkpoint}: no DeepSpeed checkpoint ({CHECKPOINT_TAG}/)")
+    verify_checkpoint_files(ds_dir)
     if checkpoint_card(checkpoint)["zero_stage"] >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
     else:
-        state = torch.load(ds_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        state = load_checkpoint_file(ds_dir / "mp_rank_00_model_states.pt")["module"]
     return {k[len(MODEL_PREFIX):]: v.float() for k, v in state.items() if k.startswith(MODEL_PREFIX)}
 
 
