@@ -390,3 +390,68 @@ def test_a_split_name_cannot_leave_the_output(split, ray_instance, tmp_path):
     assert any(r["reason"] == "bad split name" and repr(split) in r["detail"] for r in rejects)
     with pytest.raises(ConfigError, match="split"):
         BuildConfig.from_args(format="csv", input=path, out=out, split=split)
+
+
+# --------------------------------------------------------------------------- honest accounting of tars
+
+def _img2dataset_tar(tmp: Path, n: int, sidecar: str | None) -> Path:
+    """``00000.tar`` with ``n`` samples as img2dataset writes them, and its sidecar."""
+    images = _gradients(tmp, n)
+    tars = tmp / "tars"
+    tars.mkdir()
+    with tarfile.open(tars / "00000.tar", "w") as tar:
+        for i, name in enumerate(sorted(images)):
+            key = f"{i:09d}"
+            _add(tar, f"{key}.png", (tmp / "imgs" / name).read_bytes())
+            _add(tar, f"{key}.txt", images[name][0].encode())
+    if sidecar == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"key": [f"{i:09d}" for i in range(n)] + ["x"], "status": ["success"] * n + ["failed"]}),
+                       tars / "00000.parquet")
+    elif sidecar == "stats":
+        (tars / "00000_stats.json").write_text(json.dumps({"count": n + 1, "successes": n, "failed_to_download": 1}))
+    return tars
+
+
+@pytest.mark.parametrize("sidecar", ["parquet", "stats", None])
+@pytest.mark.parametrize("cut", ["between_members", "inside_a_member"])
+def test_a_truncated_tar_counts_the_samples_it_lost(sidecar, cut, tmp_path):
+    from pairsim.data.sources import list_webdataset
+
+    tars = _img2dataset_tar(tmp_path, 40, sidecar)
+    tar_path = tars / "00000.tar"
+    with tarfile.open(tar_path) as tar:
+        member = tar.getmembers()[30]  # the image of sample 15
+    end = member.offset if cut == "between_members" else member.offset_data + 100
+    tar_path.write_bytes(tar_path.read_bytes()[:end])
+    listing = list_webdataset(tars, "train")
+    kept = len(listing.records)
+    assert kept == 15
+    lost = [r for r in listing.rejects if r.source == "00000.tar"]
+    if sidecar is None:
+        assert [(r.kind, r.reason) for r in lost] == [("record", "truncated tar")]
+        seen = kept + (cut == "inside_a_member")  # sample 15's image header was read, its caption lost
+        assert "unknown" in lost[0].detail and f"after {seen} samples" in lost[0].detail
+    else:
+        # every sample the sidecar lists that the tar lost (sample 15, cut inside its image, has no caption left)
+        assert len(lost) + kept + (cut == "inside_a_member") == 40
+        assert all(r.reason == "lost from the tar" for r in lost)
+        if sidecar == "parquet":
+            assert {r.image_id for r in lost}.isdisjoint(r.image_id for r in listing.records)
+
+
+def test_a_key_twice_in_one_tar_is_rejected_not_replaced(tmp_path):
+    from pairsim.data.sources import list_webdataset
+
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    raw = _encode(_gradient(20, 20), "PNG")
+    with tarfile.open(tars / "a.tar", "w") as tar:
+        _add(tar, "k.png", raw)
+        _add(tar, "k.txt", b"the first caption")
+        _add(tar, "k.txt", b"a second caption under the same key")
+    listing = list_webdataset(tars, "train")
+    assert [r.captions for r in listing.records] == [["the first caption"]]
+    assert [(r.reason, r.source) for r in listing.rejects] == [("duplicate member", "a.tar:k.txt")]

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import pyarrow.parquet as pq
+
 from pairsim.registry import DATA_FORMATS
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
@@ -254,30 +256,39 @@ def _split_key(name: str) -> tuple[str, str]:
 def list_webdataset(path: Path, split: str) -> Listing:
     """img2dataset tars: ``key.jpg|png|webp`` + ``key.txt`` (+ optional ``key.json``, whose
     ``caption`` stands in when the .txt is missing). Uncompressed tars only (img2dataset's
-    output): images are read later by offset. A truncated tar keeps the members before the
-    break and records one reject for the rest."""
+    output): images are read later by offset. A second member with a key and extension already
+    seen in the tar is rejected (``duplicate member``), not silently used. A truncated tar keeps
+    the members before the break; its lost samples are counted from img2dataset's sidecar
+    beside it (:func:`_lost_samples`)."""
     listing = Listing()
     for tar_path in tar_files(path):
         samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+        truncated: str | None = None
         try:
             with tarfile.open(tar_path, "r:") as tar:
                 while True:
                     try:
                         member = tar.next()
                     except (tarfile.ReadError, EOFError) as exc:
-                        listing.rejects.append(Reject("record", f"{tar_path.name}", "truncated tar",
-                                                      f"after {len(samples)} samples: {exc}"))
+                        truncated = str(exc)
                         break
                     if member is None:
+                        if not _ends_with_end_marker(tar_path, tar.offset):  # cut between two members
+                            truncated = "no end-of-archive blocks"
                         break
                     if member.isfile():
                         key, ext = _split_key(member.name)
+                        if ext in samples.get(key, {}):
+                            listing.rejects.append(Reject("record", f"{tar_path.name}:{member.name}",
+                                                          "duplicate member", "the tar's first one is kept", key))
+                            continue
                         samples.setdefault(key, {})[ext] = member
                 texts = {key: _member_bytes(tar, files.get("txt")) for key, files in samples.items()}
                 metas = {key: _member_bytes(tar, files.get("json")) for key, files in samples.items()}
         except tarfile.ReadError as exc:
             raise SourceError(f"{tar_path}: not an uncompressed tar ({exc}); img2dataset writes plain .tar "
                               "files — decompress others first") from None
+        listing.rejects.extend(_lost_samples(tar_path, set(samples), truncated))
         for key, files in samples.items():
             image = next((files[e.lstrip(".")] for e in IMAGE_EXTENSIONS if e.lstrip(".") in files), None)
             where = f"{tar_path.name}:{key}"
@@ -296,6 +307,39 @@ def list_webdataset(path: Path, split: str) -> Listing:
             _add_captions(record, [caption], listing, where)
             listing.records.append(record)
     return _finish(listing)
+
+
+def _ends_with_end_marker(tar_path: Path, offset: int) -> bool:
+    """Whether the tar has the two zero blocks that end an archive at ``offset``, where its
+    members end: a tar cut between two members reads as complete otherwise."""
+    with open(tar_path, "rb") as f:
+        f.seek(offset)
+        return f.read(2 * tarfile.BLOCKSIZE) == bytes(2 * tarfile.BLOCKSIZE)
+
+
+def _lost_samples(tar_path: Path, read: set[str], truncated: str | None) -> list[Reject]:
+    """The samples a tar lost (``truncated``: why it is known to be cut, or None): one reject per
+    key that img2dataset's per-tar sidecar (``NNNNN.parquet`` with ``key`` and ``status``, or
+    ``NNNNN_stats.json`` with ``successes``) lists but the tar does not hold; for a truncated tar
+    without a sidecar, one reject saying how many followed is unknown."""
+    where = tar_path.name
+    detail = f"truncated tar after {len(read)} samples ({truncated})" if truncated else "not in the tar"
+    meta, stats = tar_path.with_suffix(".parquet"), tar_path.with_name(f"{tar_path.stem}_stats.json")
+    try:
+        table = pq.read_table(meta, columns=["key", "status"]).to_pydict() if meta.is_file() else None
+    except (OSError, ValueError):  # not img2dataset's parquet: no key/status columns
+        table = None
+    if table is not None:
+        lost = [k for k, status in zip(table["key"], table["status"]) if status == "success" and k not in read]
+        return [Reject("image", where, "lost from the tar", f"{detail}; listed in {meta.name}", key) for key in lost]
+    if stats.is_file():
+        lost = max(int(json.loads(stats.read_text()).get("successes", 0)) - len(read), 0)
+        return [Reject("image", where, "lost from the tar", f"{detail}; {i + 1} of {lost} by {stats.name}")
+                for i in range(lost)]
+    if truncated:
+        return [Reject("record", where, "truncated tar", f"{detail}; how many followed is unknown (no img2dataset "
+                                                         f"{meta.name} or {stats.name} beside it)")]
+    return []
 
 
 def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo | None) -> bytes | None:
