@@ -455,3 +455,35 @@ def test_a_key_twice_in_one_tar_is_rejected_not_replaced(tmp_path):
     listing = list_webdataset(tars, "train")
     assert [r.captions for r in listing.records] == [["the first caption"]]
     assert [(r.reason, r.source) for r in listing.rejects] == [("duplicate member", "a.tar:k.txt")]
+
+
+# --------------------------------------------------------------------------- image paths stay inside their root
+
+@pytest.mark.parametrize("fmt", ["csv", "folder", "karpathy"])
+def test_image_paths_cannot_leave_the_images_root(fmt, tmp_path):
+    """``..``, an absolute path and a symlink out each name a readable image outside the root:
+    each is rejected (the builder would otherwise read and store any file), the good one kept."""
+    from pairsim.data import sources
+
+    root = tmp_path / "dataset"
+    _gradients(root, 1)
+    _gradient(30, 30).save(tmp_path / "secret.png")
+    (root / "imgs" / "link.png").symlink_to(tmp_path / "secret.png")
+    names = ["imgs/000.png", "../secret.png", str(tmp_path / "secret.png"), "imgs/link.png"]
+    if fmt == "csv":
+        (root / "list.csv").write_text("filepath\ttitle\n" + "".join(f"{n}\tx\n" for n in names))
+        listing = sources.list_csv(root / "list.csv", root, "train")
+    elif fmt == "folder":
+        (root / "list.jsonl").write_text("".join(json.dumps({"file": n, "caption": "x"}) + "\n" for n in names))
+        listing = sources.list_folder(root / "list.jsonl", root, "train")
+    else:
+        entries = [{"filepath": str(Path(n).parent), "filename": Path(n).name, "split": "train",
+                    "sentences": [{"raw": "x"}]} for n in names]
+        (root / "split.json").write_text(json.dumps({"images": entries}))
+        listing = sources.list_karpathy(root / "split.json", root)
+    assert [r.image.path for r in listing.records] == [str(root / "imgs" / "000.png")]
+    outside = [r for r in listing.rejects if r.reason == "outside images root"]
+    assert len(outside) == 3 and all("--images-root" in r.detail for r in outside)
+    if fmt == "csv":  # a root that holds the files: absolute paths and the link are fine
+        (root / "abs.csv").write_text(f"filepath\ttitle\n{tmp_path / 'secret.png'}\tx\n{root}/imgs/link.png\tx\n")
+        assert len(sources.list_csv(root / "abs.csv", tmp_path, "train").records) == 2

@@ -133,7 +133,17 @@ def _finish(listing: Listing) -> Listing:
     return listing
 
 
-def _file_ref(path: Path) -> ImageRef:
+def _image_file(images_root: Path, name: str | Path, where: str, listing: Listing) -> ImageRef | None:
+    """The image file ``name`` under ``images_root``; None, rejected, when it resolves outside
+    the root — through ``..``, an absolute path or a symlink (a list of paths must not make the
+    builder read and store any file on the machine)."""
+    path, root = images_root / name, images_root.resolve()
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        listing.rejects.append(Reject("image", where, "outside images root",
+                                      f"{name} is {resolved}, not under {root}: set --images-root to a "
+                                      f"directory holding the images", str(name)))
+        return None
     try:
         return ImageRef(str(path), size=path.stat().st_size)
     except OSError:
@@ -171,7 +181,9 @@ def list_karpathy(path: Path, images_root: Path) -> Listing:
         except (KeyError, TypeError, AttributeError) as exc:
             listing.rejects.append(Reject("record", where, "malformed entry", f"missing or bad field {exc}"))
             continue
-        record = Record(split, image_id, _file_ref(images_root / name), [], where)
+        if (image := _image_file(images_root, name, where, listing)) is None:
+            continue
+        record = Record(split, image_id, image, [], where)
         _add_captions(record, sentences, listing, f"{where}.sentences")
         listing.records.append(record)
     return _finish(listing)
@@ -197,26 +209,35 @@ def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepa
                           f"column {caption_key!r} (set them with --csv-image-key / --csv-caption-key, the "
                           f"separator with --csv-separator; now {separator!r})")
     image_col, caption_col = header.index(image_key), header.index(caption_key)
-    by_path: dict[str, Record] = {}
+    by_path: dict[str, Record | None] = {}
     for row in reader:
         where = f"{path.name}:{reader.line_num}"
         if len(row) != len(header):
             listing.rejects.append(Reject("record", where, "malformed line",
                                           f"{len(row)} fields, header has {len(header)}"))
             continue
-        image_id = _relative_id(row[image_col])
-        if image_id not in by_path:
-            by_path[image_id] = Record(split, image_id, _file_ref(images_root / image_id), [], where)
-            listing.records.append(by_path[image_id])
-        _add_captions(by_path[image_id], [row[caption_col]], listing, where)
+        if record := _record_of(by_path, _relative_id(row[image_col]), split, images_root, where, listing):
+            _add_captions(record, [row[caption_col]], listing, where)
     return _finish(listing)
+
+
+def _record_of(records: dict[str, Record | None], image_id: str, split: str, images_root: Path, where: str,
+               listing: Listing) -> Record | None:
+    """The record of the image file ``image_id`` (lines naming one file are one image), made and
+    listed on first sight; None for a file outside the root (rejected once)."""
+    if image_id not in records:
+        image = _image_file(images_root, image_id, where, listing)
+        records[image_id] = Record(split, image_id, image, [], where) if image else None
+        if image:
+            listing.records.append(records[image_id])
+    return records[image_id]
 
 
 def list_folder(path: Path, images_root: Path, split: str) -> Listing:
     """A JSONL of ``{"file", "caption"}`` or ``{"file", "captions"}`` beside (or naming files
     under ``images_root``); lines naming the same file are one image."""
     listing = Listing()
-    by_file: dict[str, Record] = {}
+    by_file: dict[str, Record | None] = {}
     for number, line in enumerate(_decoded_lines(_read_bytes(path), listing), start=1):
         where = f"{path.name}:{number}"
         if not line.strip():
@@ -230,11 +251,8 @@ def list_folder(path: Path, images_root: Path, split: str) -> Listing:
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             listing.rejects.append(Reject("record", where, "malformed line", f"{type(exc).__name__}: {exc}"))
             continue
-        image_id = _relative_id(name)
-        if image_id not in by_file:
-            by_file[image_id] = Record(split, image_id, _file_ref(images_root / image_id), [], where)
-            listing.records.append(by_file[image_id])
-        _add_captions(by_file[image_id], captions, listing, where)
+        if record := _record_of(by_file, _relative_id(name), split, images_root, where, listing):
+            _add_captions(record, captions, listing, where)
     return _finish(listing)
 
 
