@@ -2,8 +2,8 @@
 in and out of runs and the model registry.
 
 The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
-job is resumed) and logs the config; rank 0 of the workers logs curves, eval metrics and
-artifacts into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
+job is resumed) and logs the config and the datasets it reads; rank 0 of the workers logs
+curves, eval metrics and artifacts into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
 beside the database, as absolute paths, so workers in any directory write to the same place.
 """
 
@@ -17,10 +17,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.data.dataset import Dataset
+from mlflow.data.dataset_source import DatasetSource
+from mlflow.data.dataset_source_registry import get_registered_sources
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
-from pairsim.config import RunConfig
+from pairsim.config import DataConfig, RunConfig
+from pairsim.data import shards
 from pairsim.log import get_logger
 from pairsim.models import retrieval
 
@@ -136,6 +142,54 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
 
 def _param(key: str, value: Any) -> Param:
     return Param(key, "None" if value is None else str(value))
+
+
+def local_dataset_source(path: Path) -> DatasetSource:
+    """MLflow's ``local`` dataset source of a directory, by absolute path (MLflow generates the
+    class; its registry holds two alike, for no scheme and ``file:``, so resolving warns)."""
+    source = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+    return source(str(Path(path).resolve()))
+
+
+class ShardSplit(Dataset):
+    """One split of a shard dataset as an MLflow dataset: its source is the dataset directory,
+    its digest the split's manifest content hash (cut to MLflow's 36 characters; the profile
+    holds it whole, with the split's counts)."""
+
+    def __init__(self, root: Path, split: str):
+        counts = shards.read_manifest(root)["splits"][split]
+        self._profile = {"split": split, "content_hash": counts["content_hash"]} | {
+            k: counts[k] for k in ("images", "captions", "shards")}
+        super().__init__(local_dataset_source(root), name=f"{Path(root).name}/{split}",
+                         digest=counts["content_hash"][:MAX_DATASET_DIGEST_SIZE])
+
+    def _compute_digest(self) -> str:  # the digest is always given
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, str]:
+        return super().to_dict() | {"profile": json.dumps(self.profile)}
+
+    @property
+    def profile(self) -> dict[str, Any]:
+        return self._profile
+
+    @property
+    def schema(self) -> None:
+        return None
+
+
+DATASET_CONTEXTS = {"train_split": "training", "val_split": "validation", "test_split": "testing"}
+
+
+def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = True) -> None:
+    """The train and val splits and, with ``test`` when the data has it, the test split as the
+    run's MLflow dataset inputs, each with its context (``training``, ``validation``, ``testing``)."""
+    present = shards.read_manifest(data.path)["splits"]
+    splits = {"training": data.train_split, "validation": data.val_split} | (
+        {"testing": data.test_split} if test and data.test_split in present else {})
+    MlflowClient(tracking_uri).log_inputs(run_id, [
+        DatasetInput(ShardSplit(data.path, split)._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        for context, split in splits.items()])
 
 
 def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:

@@ -210,7 +210,9 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
 
 
 def log_inputs(tracking_uri: str, parent_run_id: str, sweep: Sweep) -> None:
-    """The sweep file and its resolved base run config, as artifacts of the parent run."""
+    """The sweep file and its resolved base run config, as artifacts of the parent run, and the
+    base's train and val splits as its dataset inputs (:func:`pairsim.tracking.log_datasets`)."""
+    tracking.log_datasets(tracking_uri, parent_run_id, sweep.base.data, test=False)
     run = tracking.RunLogger(tracking_uri, parent_run_id)
     run.log_artifact(sweep.source, "sweep")
     with tempfile.TemporaryDirectory() as tmp:
