@@ -3,7 +3,8 @@ in and out of runs and the model registry.
 
 The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
 job is resumed) and logs the config and the datasets it reads; rank 0 of the workers logs
-curves, eval metrics and artifacts into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
+curves (asynchronously), eval metrics, artifacts and the system metrics
+of its node into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
 beside the database, as absolute paths, so workers in any directory write to the same place.
 """
 
@@ -22,6 +23,7 @@ from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.utils.async_logging.run_operations import RunOperations, get_combined_run_operations
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
@@ -228,16 +230,62 @@ def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, 
     client.set_terminated(run_id, status)
 
 
-class RunLogger:
-    """What rank 0 uses to write into the job's run."""
+def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float):
+    """MLflow's monitor of this node's CPU, memory, disk, network and (with ``nvidia-ml-py`` and
+    a GPU) GPU use, started: ``system/…`` metrics every ``interval_s``, their steps going on
+    from the run's last (a resumed run's curves continue)."""
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    def __init__(self, tracking_uri: str, run_id: str):
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
+
+
+class RunLogger:
+    """What rank 0 uses to write into the job's run.
+
+    Metrics go through MLflow's asynchronous logging: :meth:`log_metrics` queues them and
+    returns (no round trip on the training step); :meth:`flush` waits for everything queued
+    and raises what failed, and so does :meth:`log_metrics` every ``MAX_PENDING`` calls.
+    With ``system_metrics_interval_s`` > 0 it runs :func:`system_metrics_monitor` until
+    :meth:`close`, which also flushes (a ``with`` block closes it at its end).
+    """
+
+    MAX_PENDING = 1000
+
+    def __init__(self, tracking_uri: str, run_id: str, system_metrics_interval_s: float = 0.0):
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self._pending: list[RunOperations] = []
+        self._monitor = (system_metrics_monitor(tracking_uri, run_id, system_metrics_interval_s)
+                         if system_metrics_interval_s > 0 else None)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[
-            Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()])
+        if operations := self.client.log_batch(self.run_id, metrics=[
+                Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()], synchronous=False):
+            self._pending.append(operations)
+        if len(self._pending) >= self.MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for every queued metric; an ``MlflowException`` lists the ones that failed."""
+        pending, self._pending = self._pending, []
+        if pending:
+            get_combined_run_operations(pending).wait()
+
+    def close(self) -> None:
+        """Flush, and stop the system-metrics monitor (logging its last samples)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+        self.flush()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)

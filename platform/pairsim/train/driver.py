@@ -81,8 +81,9 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
         model, _ = retrieval.load_exported(written[0])
     embeddings = inference.embed_with_ray_data(model, cfg, split)
     result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
-    report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
-                      split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
+    with run:  # closing it waits for the queued metrics
+        report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
+                          split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
     return best.path, result_report.metrics
 
 

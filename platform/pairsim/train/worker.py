@@ -164,7 +164,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
-    run = RunLogger(job.tracking_uri, job.run_id) if rank == 0 else None
+    run = RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s) if rank == 0 else None
     ledger = ray.get_actor(job.ledger)
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
@@ -207,9 +207,12 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
         card = None
         if run:
             run.log_metrics(timer.metrics(), step)
+            run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
             shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
             logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
                 f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
             card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
                                         epoch=epoch + 1, step=step, val=metrics)
         engines.save_checkpoint(engine, epoch, step, card, metrics)
+    if run:
+        run.close()
