@@ -80,6 +80,14 @@ def on_gloo_ranks(fn, *args, world: int = 2, timeout: float = 300) -> dict:
     return results
 
 
+def step_images(client, run_id: str) -> set[tuple[str, int]]:
+    """(key, step) of each image a run logged with ``MlflowClient.log_image(key=…, step=…)``:
+    MLflow stores them as ``images/<key, / as ~>+step+<step>+timestamp+…png``."""
+    return {(name.split("+")[0].replace("~", "/"), int(name.split("+")[2]))
+            for name in (Path(a.path).name for a in client.list_artifacts(run_id, "images"))
+            if name.endswith(".png")}
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """256 train / 48 val / 32 test shapes scenes at 64 px, train in uneven shards (100, 100, 56 rows)."""

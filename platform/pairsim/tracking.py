@@ -3,7 +3,7 @@ in and out of runs and the model registry.
 
 The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
 job is resumed) and logs the config and the datasets it reads; rank 0 of the workers logs
-curves (asynchronously), eval metrics, artifacts and the system metrics
+curves (asynchronously), eval metrics, per-epoch pictures, artifacts and the system metrics
 of its node into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
 beside the database, as absolute paths, so workers in any directory write to the same place.
 """
@@ -286,6 +286,12 @@ class RunLogger:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def log_image(self, path: str | Path, key: str, step: int) -> None:
+        """A PNG as MLflow's step image ``key`` (the UI shows each key's images with a step slider)."""
+        import mlflow
+
+        self.client.log_image(self.run_id, mlflow.Image(str(path)), key=key, step=step, synchronous=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)

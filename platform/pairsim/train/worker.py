@@ -7,6 +7,7 @@ checkpoint if there is one, then for each epoch: train on the global batch, eval
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,9 @@ import torch
 
 from pairsim import dist, log
 from pairsim.config import RunConfig
-from pairsim.data import ingest
+from pairsim.data import ingest, shards
 from pairsim.eval import inference, similarity, suite
+from pairsim.eval.report import log_pictures
 from pairsim.models import clip, retrieval
 from pairsim.teachers.encoders import MODALITIES, Teacher
 from pairsim.teachers.store import teacher_sources
@@ -131,7 +133,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
     """The val split's evaluation suite (:func:`pairsim.eval.suite.evaluate_split`) and the
     skipped-image count, logged on rank 0 ({} on other ranks) and returned; also logged, not
     returned: the positive vs hardest-negative similarities of (1-based) ``epoch``
-    (:func:`pairsim.eval.similarity.log_similarities`)."""
+    (:func:`pairsim.eval.similarity.log_similarities`), the modality-grid heatmap and a retrieval
+    gallery (:func:`pairsim.eval.report.log_pictures`)."""
     embeddings = embed_split(engine, cfg, dtype)
     if run is None:
         return {}
@@ -148,6 +151,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
     run.log_metrics(metrics, step)
     similarity.log_similarities(run, embeddings, step, epoch)
+    log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.path, cfg.data.val_split),
+                 "val", step, title=f"val, epoch {epoch}")
     return metrics
 
 
