@@ -101,7 +101,7 @@ def ray_instance():
     """One local Ray instance for the session's end-to-end tests (2 workers + 2 CPUs for Data).
 
     Ray workers get this directory on their path, so training functions defined in test
-    modules unpickle there."""
+    modules unpickle there, before the tests' own ``PYTHONPATH`` (a source tree they test)."""
     import ray
 
     from pairsim.train.driver import IDLE_WORKERS_KEPT
@@ -110,7 +110,8 @@ def ray_instance():
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
     # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
-    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}},
              _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()
