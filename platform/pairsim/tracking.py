@@ -22,6 +22,7 @@ from mlflow.data.dataset import Dataset
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 from mlflow.utils.async_logging.run_operations import RunOperations, get_combined_run_operations
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
@@ -230,12 +231,10 @@ def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, 
     client.set_terminated(run_id, status)
 
 
-def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float):
+def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float) -> SystemMetricsMonitor:
     """MLflow's monitor of this node's CPU, memory, disk, network and (with ``nvidia-ml-py`` and
     a GPU) GPU use, started: ``system/…`` metrics every ``interval_s``, their steps going on
     from the run's last (a resumed run's curves continue)."""
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
     monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
                                    tracking_uri=tracking_uri)
     monitor.start()
