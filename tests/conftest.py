@@ -80,6 +80,14 @@ def on_gloo_ranks(fn, *args, world: int = 2, timeout: float = 300) -> dict:
     return results
 
 
+def step_images(client, run_id: str) -> set[tuple[str, int]]:
+    """(key, step) of each image a run logged with ``MlflowClient.log_image(key=…, step=…)``:
+    MLflow stores them as ``images/<key, / as ~>+step+<step>+timestamp+…png``."""
+    return {(name.split("+")[0].replace("~", "/"), int(name.split("+")[2]))
+            for name in (Path(a.path).name for a in client.list_artifacts(run_id, "images"))
+            if name.endswith(".png")}
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """256 train / 48 val / 32 test shapes scenes at 64 px, train in uneven shards (100, 100, 56 rows)."""
@@ -93,7 +101,7 @@ def ray_instance():
     """One local Ray instance for the session's end-to-end tests (2 workers + 2 CPUs for Data).
 
     Ray workers get this directory on their path, so training functions defined in test
-    modules unpickle there."""
+    modules unpickle there, before the tests' own ``PYTHONPATH`` (a source tree they test)."""
     import ray
 
     from pairsim.train.driver import IDLE_WORKERS_KEPT
@@ -102,7 +110,8 @@ def ray_instance():
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
     # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
-    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}},
              _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()

@@ -4,12 +4,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from conftest import step_images
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
-from pairsim.eval.report import grid_heatmap, retrieval_gallery
+from pairsim.eval.report import grid_heatmap, log_pictures, retrieval_gallery
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split, grid_items, modality_grid, unimodal_metrics
 from pairsim.models.fusion import NormalizedSumFusion
+from pairsim.tracking import RunLogger
 
 
 def reference_metrics(sim, positives, ks):
@@ -164,15 +167,33 @@ def test_evaluate_split_reports_every_family_and_draws_its_pictures(tmp_path):
                 "grid_fused2image_R@5"):
         assert key in report.metrics, key
     heatmap = grid_heatmap(report.grid, tmp_path / "grid.png")
+    gallery = retrieval_gallery(split, read_tiny_rows, tmp_path / "gallery.png", k=3)
+    for path in (heatmap, gallery):
+        with Image.open(path) as image:
+            assert image.format == "PNG" and np.asarray(image.convert("L")).std() > 10
+
+
+def read_tiny_rows(ids: list[str]) -> dict[str, dict]:
+    """tiny_split's shard rows: a, b and c, one colour each."""
     rows = {}
     for name, colour in zip("abc", ("red", "green", "blue")):
         buffer = io.BytesIO()
         Image.new("RGB", (16, 16), colour).save(buffer, format="PNG")
         rows[name] = {"image": buffer.getvalue(), "captions": [f"{name} zero", f"{name} one"]}
-    gallery = retrieval_gallery(split, lambda ids: {i: rows[i] for i in ids}, tmp_path / "gallery.png", k=3)
-    for path in (heatmap, gallery):
-        with Image.open(path) as image:
-            assert image.format == "PNG" and np.asarray(image.convert("L")).std() > 10
+    return {i: rows[i] for i in ids}
+
+
+def test_pictures_are_logged_as_step_images(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run("0").info.run_id
+    split = tiny_split()
+    report = evaluate_split(split, NormalizedSumFusion(), ks=(1, 5))
+    with RunLogger(uri, run_id) as run:
+        for epoch, step in enumerate((8, 16), start=1):
+            log_pictures(run, report, split, read_tiny_rows, "val", step, title=f"val, epoch {epoch}")
+    assert step_images(client, run_id) == {(key, step) for key in ("val/gallery", "val/modality_grid")
+                                           for step in (8, 16)}
 
 
 def test_split_from_raw_outputs_is_scored_by_cosine_and_fused_from_the_raw_outputs():

@@ -1,16 +1,20 @@
 """The MLflow run a job opens carries the tags MLflow's own API would give it, and the pairsim
-source's commit."""
+source's commit; its datasets, queued metrics and system metrics."""
 
 import getpass
+import json
 import subprocess
+import time
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pairsim import tracking
 from pairsim.config import load_config
+from pairsim.data import shards
 
 SOURCE = Path(tracking.__file__).parent
 
@@ -31,3 +35,71 @@ def test_a_run_carries_user_source_commit_and_version(tmp_path):
     if head.returncode:
         pytest.skip("pairsim does not run from a git checkout here")
     assert tags["mlflow.source.git.commit"] == head.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    """One sqlite store for the module's tests (creating one takes seconds)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}"
+
+
+def new_run(uri: str) -> tuple[MlflowClient, str]:
+    client = MlflowClient(uri)
+    return client, client.create_run("0").info.run_id
+
+
+def test_datasets_are_logged_with_the_manifests_content_hashes(store, tiny_dataset):
+    client, run_id = new_run(store)
+    tracking.log_datasets(store, run_id, load_config(None, [f"data.path={tiny_dataset}"]).data)
+    splits = shards.read_manifest(tiny_dataset)["splits"]
+    logged = {i.tags[0].value: i.dataset for i in client.get_run(run_id).inputs.dataset_inputs}
+    assert set(logged) == {"training", "validation", "testing"}
+    for context, split in (("training", "train"), ("validation", "val"), ("testing", "test")):
+        dataset = logged[context]
+        assert dataset.name == f"{tiny_dataset.name}/{split}"
+        assert splits[split]["content_hash"].startswith(dataset.digest) and len(dataset.digest) == 36
+        assert json.loads(dataset.source) == {"uri": str(tiny_dataset.resolve())}
+        assert json.loads(dataset.profile) == {"split": split, "content_hash": splits[split]["content_hash"]} | {
+            k: splits[split][k] for k in ("images", "captions", "shards")}
+
+
+@pytest.mark.parametrize("test_split, test", [("held", True), ("test", False)])
+def test_a_test_split_that_is_missing_or_unused_is_not_logged(store, tiny_dataset, test_split, test):
+    client, run_id = new_run(store)
+    data = load_config(None, [f"data.path={tiny_dataset}", f"data.test_split={test_split}"]).data
+    tracking.log_datasets(store, run_id, data, test=test)
+    assert {i.tags[0].value for i in client.get_run(run_id).inputs.dataset_inputs} == {"training", "validation"}
+
+
+def test_metrics_are_queued_and_all_there_in_order_after_a_flush(store):
+    client, run_id = new_run(store)
+    run = tracking.RunLogger(store, run_id)
+    for step in range(1, 51):
+        run.log_metrics({"train/loss": 1 / step, "val/i2t_R@1": step}, step)
+    run.flush()
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in history] == [(s, 1 / s) for s in range(1, 51)]
+    assert [m.timestamp for m in history] == sorted(m.timestamp for m in history)  # stamped when logged
+    assert len(client.get_metric_history(run_id, "val/i2t_R1")) == 50
+
+
+def test_a_failed_metric_write_raises_at_the_flush(store):
+    client, run_id = new_run(store)
+    run = tracking.RunLogger(store, run_id)
+    client.delete_run(run_id)
+    run.log_metrics({"train/loss": 1.0}, 1)  # queued: no round trip here
+    with pytest.raises(MlflowException, match="active"):
+        run.flush()
+
+
+def test_system_metrics_are_sampled_until_close(store):
+    client, run_id = new_run(store)
+    run = tracking.RunLogger(store, run_id, system_metrics_interval_s=0.2)
+    time.sleep(1.5)
+    run.close()
+    metrics = client.get_run(run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
+    steps = [m.step for m in client.get_metric_history(run_id, "system/cpu_utilization_percentage")]
+    assert steps == list(range(len(steps))) and len(steps) >= 2
+    time.sleep(0.5)  # closed: no more samples
+    assert len(client.get_metric_history(run_id, "system/cpu_utilization_percentage")) == len(steps)

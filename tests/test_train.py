@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 
+from conftest import step_images
 from pairsim.models import clip, retrieval
 from pairsim.train import driver, engine
 from pairsim.cli import DEMO_CONFIG, main, objective_config
@@ -95,6 +96,15 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset)
     assert {a.path for a in client.list_artifacts(first.mlflow_run_id, "eval")} == {
         "eval/test.json", "eval/test_modality_grid.png", "eval/test_gallery.png"}
     assert load_config(artifact_file(client, first.mlflow_run_id, "config.yaml")).train.epochs == 3
+    # each epoch's gallery and modality grid as step images; the datasets read, once over both attempts
+    assert step_images(client, first.mlflow_run_id) == {
+        (key, STEPS_PER_EPOCH * epoch) for key in ("val/gallery", "val/modality_grid") for epoch in (1, 2, 3, 4)}
+    assert sorted((i.tags[0].value, i.dataset.name) for i in run.inputs.dataset_inputs) == [
+        ("testing", f"{tiny_dataset.name}/test"), ("training", f"{tiny_dataset.name}/train"),
+        ("validation", f"{tiny_dataset.name}/val")]
+    # rank 0's system metrics, the resumed attempt's steps going on from the first's
+    steps = [m.step for m in client.get_metric_history(first.mlflow_run_id, "system/cpu_utilization_percentage")]
+    assert len(steps) >= 2 and sorted(steps) == list(range(len(steps))), steps
 
 
 def test_saved_weights_load_back_into_open_clip(zero2_runs):

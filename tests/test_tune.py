@@ -75,6 +75,7 @@ def test_the_parent_run_has_one_child_per_trial_with_its_params_status_and_curve
     assert parent.data.metrics["trials/stopped_early"] == 1 and parent.data.metrics["trials/failed"] == 2
     artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
     assert {"results.csv", "best.yaml", *results.PLOTS} <= artifacts, artifacts
+    assert sorted(i.tags[0].value for i in parent.inputs.dataset_inputs) == ["training", "validation"]
 
     children = tracking.child_runs(mlflow_server, outcome.parent_run_id)
     assert len(children) == 4 and len({c.data.tags[tracking.RUN_NAME_TAG] for c in children}) == 4

@@ -115,9 +115,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     if run_id is None:
         run_id = tracking.create_run(tracking_uri, "pairsim-eval", f"eval-{Path(args.checkpoint).name}",
                                      {"pairsim.checkpoint": str(Path(args.checkpoint).resolve())})
-    run = tracking.RunLogger(tracking_uri, run_id)
-    report.log_report(run, result, embeddings, functools.partial(shards.read_rows, args.data, args.split),
-                        args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
+    with tracking.RunLogger(tracking_uri, run_id) as run:
+        report.log_report(run, result, embeddings, functools.partial(shards.read_rows, args.data, args.split),
+                          args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
     _print_run(run_id, tracking_uri)
 
 

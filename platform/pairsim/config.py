@@ -419,6 +419,9 @@ class TrackingConfig(_Section):
 
     tracking_uri: str | None = None
     experiment: str = "pairsim"
+    system_metrics_interval_s: Float = Field(
+        10.0, ge=0.0, description="seconds between samples of CPU, memory, disk, network and GPU use on rank 0's "
+                                  "node (system/… metrics); 0: none")
 
 
 class RayConfig(_Section):

@@ -2,8 +2,9 @@
 in and out of runs and the model registry.
 
 The driver opens the run (or finds the one tagged with the same Ray Train run name, when a
-job is resumed) and logs the config; rank 0 of the workers logs curves, eval metrics and
-artifacts into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
+job is resumed) and logs the config and the datasets it reads; rank 0 of the workers logs
+curves (asynchronously), eval metrics, per-epoch pictures, artifacts and the system metrics
+of its node into it by run id. A local ``sqlite:`` store keeps its artifacts in ``mlartifacts/``
 beside the database, as absolute paths, so workers in any directory write to the same place.
 """
 
@@ -17,10 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.data.dataset import Dataset
+from mlflow.data.dataset_source import DatasetSource
+from mlflow.data.dataset_source_registry import get_registered_sources
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
+from mlflow.utils.async_logging.run_operations import RunOperations, get_combined_run_operations
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
-from pairsim.config import RunConfig
+from pairsim.config import DataConfig, RunConfig
+from pairsim.data import shards
 from pairsim.log import get_logger
 from pairsim.models import retrieval
 
@@ -138,6 +147,54 @@ def _param(key: str, value: Any) -> Param:
     return Param(key, "None" if value is None else str(value))
 
 
+def local_dataset_source(path: Path) -> DatasetSource:
+    """MLflow's ``local`` dataset source of a directory, by absolute path (MLflow generates the
+    class; its registry holds two alike, for no scheme and ``file:``, so resolving warns)."""
+    source = next(s for s in get_registered_sources() if s._get_source_type() == "local")
+    return source(str(Path(path).resolve()))
+
+
+class ShardSplit(Dataset):
+    """One split of a shard dataset as an MLflow dataset: its source is the dataset directory,
+    its digest the split's manifest content hash (cut to MLflow's 36 characters; the profile
+    holds it whole, with the split's counts)."""
+
+    def __init__(self, root: Path, split: str):
+        counts = shards.read_manifest(root)["splits"][split]
+        self._profile = {"split": split, "content_hash": counts["content_hash"]} | {
+            k: counts[k] for k in ("images", "captions", "shards")}
+        super().__init__(local_dataset_source(root), name=f"{Path(root).name}/{split}",
+                         digest=counts["content_hash"][:MAX_DATASET_DIGEST_SIZE])
+
+    def _compute_digest(self) -> str:  # the digest is always given
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, str]:
+        return super().to_dict() | {"profile": json.dumps(self.profile)}
+
+    @property
+    def profile(self) -> dict[str, Any]:
+        return self._profile
+
+    @property
+    def schema(self) -> None:
+        return None
+
+
+DATASET_CONTEXTS = {"train_split": "training", "val_split": "validation", "test_split": "testing"}
+
+
+def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = True) -> None:
+    """The train and val splits and, with ``test`` when the data has it, the test split as the
+    run's MLflow dataset inputs, each with its context (``training``, ``validation``, ``testing``)."""
+    present = shards.read_manifest(data.path)["splits"]
+    splits = {"training": data.train_split, "validation": data.val_split} | (
+        {"testing": data.test_split} if test and data.test_split in present else {})
+    MlflowClient(tracking_uri).log_inputs(run_id, [
+        DatasetInput(ShardSplit(data.path, split)._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        for context, split in splits.items()])
+
+
 def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:
     MlflowClient(resolve_tracking_uri(tracking_uri)).set_terminated(
         run_id, RunStatus.to_string(RunStatus.FINISHED if succeeded else RunStatus.FAILED))
@@ -174,16 +231,66 @@ def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, 
     client.set_terminated(run_id, status)
 
 
-class RunLogger:
-    """What rank 0 uses to write into the job's run."""
+def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float) -> SystemMetricsMonitor:
+    """MLflow's monitor of this node's CPU, memory, disk, network and (with ``nvidia-ml-py`` and
+    a GPU) GPU use, started: ``system/…`` metrics every ``interval_s``, their steps going on
+    from the run's last (a resumed run's curves continue)."""
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval_s, resume_logging=True,
+                                   tracking_uri=tracking_uri)
+    monitor.start()
+    return monitor
 
-    def __init__(self, tracking_uri: str, run_id: str):
+
+class RunLogger:
+    """What rank 0 uses to write into the job's run.
+
+    Metrics go through MLflow's asynchronous logging: :meth:`log_metrics` queues them and
+    returns (no round trip on the training step); :meth:`flush` waits for everything queued
+    and raises what failed, and so does :meth:`log_metrics` every ``MAX_PENDING`` calls.
+    With ``system_metrics_interval_s`` > 0 it runs :func:`system_metrics_monitor` until
+    :meth:`close`, which also flushes (a ``with`` block closes it at its end).
+    """
+
+    MAX_PENDING = 1000
+
+    def __init__(self, tracking_uri: str, run_id: str, system_metrics_interval_s: float = 0.0):
         self.client, self.run_id = MlflowClient(tracking_uri), run_id
+        self._pending: list[RunOperations] = []
+        self._monitor = (system_metrics_monitor(tracking_uri, run_id, system_metrics_interval_s)
+                         if system_metrics_interval_s > 0 else None)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[
-            Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()])
+        if operations := self.client.log_batch(self.run_id, metrics=[
+                Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()], synchronous=False):
+            self._pending.append(operations)
+        if len(self._pending) >= self.MAX_PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait for every queued metric; an ``MlflowException`` lists the ones that failed."""
+        pending, self._pending = self._pending, []
+        if pending:
+            get_combined_run_operations(pending).wait()
+
+    def close(self) -> None:
+        """Flush, and stop the system-metrics monitor (logging its last samples)."""
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+        self.flush()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def log_image(self, path: str | Path, key: str, step: int) -> None:
+        """A PNG as MLflow's step image ``key`` (the UI shows each key's images with a step slider)."""
+        import mlflow
+
+        self.client.log_image(self.run_id, mlflow.Image(str(path)), key=key, step=step, synchronous=True)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)

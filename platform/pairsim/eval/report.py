@@ -39,11 +39,14 @@ def grid_heatmap(grid: dict[int, np.ndarray], path: str | Path, title: str = "")
     return Path(path)
 
 
-def retrieval_gallery(emb: SplitEmbeddings, read_rows: Callable[[list[str]], dict[str, dict[str, Any]]],
-                      path: str | Path, n_queries: int = 4, k: int = 5) -> Path:
+RowReader = Callable[[list[str]], dict[str, dict[str, Any]]]  # image ids -> their shard rows
+
+
+def retrieval_gallery(emb: SplitEmbeddings, read_rows: RowReader, path: str | Path, n_queries: int = 4, k: int = 5,
+                      title: str = "") -> Path:
     """A PNG of ``n_queries`` text queries (spread over the split), each with its top-``k``
     images, hits framed green and misses red. ``read_rows(ids)`` gives each image's shard row
-    (``image`` bytes and ``captions``)."""
+    (``image`` bytes and ``captions``); only the shown images' rows are read."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,13 +71,23 @@ def retrieval_gallery(emb: SplitEmbeddings, read_rows: Callable[[list[str]], dic
                 spine.set_edgecolor("green" if hit else "red")
                 spine.set_linewidth(4)
             ax.set_xlabel(f"{rank}. {ids[j]}" + (" ✓" if hit else ""), fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
 
 
-def log_report(logger, report: EvalReport, emb: SplitEmbeddings, read_rows, split: str, step: int,
+def render_pictures(report: EvalReport, emb: SplitEmbeddings, read_rows: RowReader, out_dir: Path, split: str,
+                    title: str = "") -> dict[str, Path]:
+    """The modality-grid heatmap (none when no image of the split has two captions) and the
+    retrieval gallery as PNGs in ``out_dir``, by name: ``modality_grid``, ``gallery``."""
+    pictures = {"modality_grid": grid_heatmap(report.grid, out_dir / f"{split}_modality_grid.png", title)
+                } if report.grid else {}
+    return pictures | {"gallery": retrieval_gallery(emb, read_rows, out_dir / f"{split}_gallery.png", title=title)}
+
+
+def log_report(logger, report: EvalReport, emb: SplitEmbeddings, read_rows: RowReader, split: str, step: int,
                title: str = "") -> None:
     """Into an MLflow run: ``<split>/<metric>`` metrics, ``eval/<split>.json`` and the modality
     grid heatmap and retrieval gallery PNGs under ``eval/``."""
@@ -83,9 +96,17 @@ def log_report(logger, report: EvalReport, emb: SplitEmbeddings, read_rows, spli
                      "grid": {f"R@{k}": v.tolist() for k, v in report.grid.items()}, "grid_axes": MODALITIES},
                     f"eval/{split}.json")
     with tempfile.TemporaryDirectory() as tmp:
-        if report.grid:  # none when no image of the split has two captions
-            logger.log_artifact(grid_heatmap(report.grid, Path(tmp) / f"{split}_modality_grid.png", title), "eval")
-        logger.log_artifact(retrieval_gallery(emb, read_rows, Path(tmp) / f"{split}_gallery.png"), "eval")
+        for path in render_pictures(report, emb, read_rows, Path(tmp), split, title).values():
+            logger.log_artifact(path, "eval")
+
+
+def log_pictures(logger, report: EvalReport, emb: SplitEmbeddings, read_rows: RowReader, split: str, step: int,
+                 title: str = "") -> None:
+    """Into an MLflow run: the modality-grid heatmap and retrieval gallery as the step images
+    ``<split>/modality_grid`` and ``<split>/gallery`` at ``step`` (the UI slides through the steps)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, path in render_pictures(report, emb, read_rows, Path(tmp), split, title).items():
+            logger.log_image(path, f"{split}/{name}", step)
 
 
 def format_report(metrics: Metrics, ks: Sequence[int] = (1, 5, 10)) -> str:

@@ -1,9 +1,9 @@
 """The driver of a training job: config → checks → Ray → ``TorchTrainer`` → result.
 
 :func:`fit` checks data, model and teachers before the cluster is touched, starts or joins Ray,
-opens the MLflow run, builds the lazy Ray Data pipelines and launches the workers
-(:func:`pairsim.train.worker.train_loop_per_worker`); at the end it exports the best checkpoint
-and evaluates it once on the test split.
+opens the MLflow run (with the datasets it reads), builds the lazy Ray Data pipelines and
+launches the workers (:func:`pairsim.train.worker.train_loop_per_worker`); at the end it exports
+the best checkpoint and evaluates it once on the test split.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
         model, _ = retrieval.load_exported(written[0])
     embeddings = inference.embed_with_ray_data(model, cfg, split)
     result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
-    report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
-                      split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
+    with run:  # closing it waits for the queued metrics
+        report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
+                          split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
     return best.path, result_report.metrics
 
 
@@ -212,6 +213,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
                                tags=skipped_metrics_tag(cfg) | (trial.tags if trial else {}))
+    tracking.log_datasets(tracking_uri, run_id, cfg.data, test=trial is None)  # trials are not tested
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)

@@ -7,6 +7,7 @@ checkpoint if there is one, then for each epoch: train on the global batch, eval
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,9 @@ import torch
 
 from pairsim import dist, log
 from pairsim.config import RunConfig
-from pairsim.data import ingest
+from pairsim.data import ingest, shards
 from pairsim.eval import inference, similarity, suite
+from pairsim.eval.report import log_pictures
 from pairsim.models import clip, retrieval
 from pairsim.teachers.encoders import MODALITIES, Teacher
 from pairsim.teachers.store import teacher_sources
@@ -132,7 +134,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
     """The val split's evaluation suite (:func:`pairsim.eval.suite.evaluate_split`) and the
     skipped-image count, logged on rank 0 ({} on other ranks) and returned; also logged, not
     returned: the positive vs hardest-negative similarities of (1-based) ``epoch``
-    (:func:`pairsim.eval.similarity.log_similarities`)."""
+    (:func:`pairsim.eval.similarity.log_similarities`), the modality-grid heatmap and a retrieval
+    gallery (:func:`pairsim.eval.report.log_pictures`)."""
     embeddings = embed_split(engine, cfg, dtype)
     if run is None:
         return {}
@@ -149,6 +152,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
     run.log_metrics(metrics, step)
     similarity.log_similarities(run, embeddings, step, epoch)
+    log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.path, cfg.data.val_split),
+                 "val", step, title=f"val, epoch {epoch}")
     return metrics
 
 
@@ -165,7 +170,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
-    run = RunLogger(job.tracking_uri, job.run_id) if rank == 0 else None
+    run = RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s) if rank == 0 else None
     ledger = ray.get_actor(job.ledger)
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
@@ -209,9 +214,12 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
         card = None
         if run:
             run.log_metrics(timer.metrics(), step)
+            run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
             shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
             logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
                 f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
             card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
                                         epoch=epoch + 1, step=step, val=metrics)
         engines.save_checkpoint(engine, epoch, step, card, metrics)
+    if run:
+        run.close()

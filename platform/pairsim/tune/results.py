@@ -210,7 +210,9 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
 
 
 def log_inputs(tracking_uri: str, parent_run_id: str, sweep: Sweep) -> None:
-    """The sweep file and its resolved base run config, as artifacts of the parent run."""
+    """The sweep file and its resolved base run config, as artifacts of the parent run, and the
+    base's train and val splits as its dataset inputs (:func:`pairsim.tracking.log_datasets`)."""
+    tracking.log_datasets(tracking_uri, parent_run_id, sweep.base.data, test=False)
     run = tracking.RunLogger(tracking_uri, parent_run_id)
     run.log_artifact(sweep.source, "sweep")
     with tempfile.TemporaryDirectory() as tmp:
@@ -230,15 +232,15 @@ def write(rows: list[TrialRow], best: TrialRow | None, sweep: Sweep, out_dir: Pa
     if best is not None:
         (out_dir / "best.yaml").write_text(best_yaml(best, sweep, out_dir.name))
         written.append(out_dir / "best.yaml")
-    run = tracking.RunLogger(tracking_uri, parent_run_id)
-    for path in written:
-        run.log_artifact(path)
-    counts = {s: sum(r.status == s for r in rows) for s in STATUS_COLORS}
-    run.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()}
-                    | {"trials/epochs": sum(r.epochs for r in rows)}
-                    | ({f"best/{sweep.metric.removeprefix('val/')}": best.metric} if best else {}), 0)
-    if best is not None:
-        run.set_tags({"pairsim.best_trial": best.trial_id, "pairsim.best_run_id": best.run_id or ""})
+    with tracking.RunLogger(tracking_uri, parent_run_id) as run:
+        for path in written:
+            run.log_artifact(path)
+        counts = {s: sum(r.status == s for r in rows) for s in STATUS_COLORS}
+        run.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()}
+                        | {"trials/epochs": sum(r.epochs for r in rows)}
+                        | ({f"best/{sweep.metric.removeprefix('val/')}": best.metric} if best else {}), 0)
+        if best is not None:
+            run.set_tags({"pairsim.best_trial": best.trial_id, "pairsim.best_run_id": best.run_id or ""})
     for row, child in ((row, children.get(row.run_id)) for row in rows):
         if child is not None and child.info.status != MLFLOW_STATUS[row.status]:  # e.g. killed while the driver was down
             tracking.set_run_status(tracking_uri, row.run_id, MLFLOW_STATUS[row.status],
