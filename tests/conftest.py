@@ -102,7 +102,8 @@ def ray_instance():
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
     # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
-    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": str(Path(__file__).parent)}},
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # the caller's too
+    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": path}},
              _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()
