@@ -81,6 +81,17 @@ def test_a_location_writes_reads_lists_and_copies_locally(where, tmp_path, reque
         assert (local / "sub" / "c.txt").read_text() == "é"
 
 
+def test_doctor_writes_a_probe_to_object_storage_and_names_one_it_cannot_reach(bucket):
+    from pairsim import doctor
+
+    [ok] = doctor.storage(load_config(None, [f"ray.storage_path={bucket}/ray"]))
+    assert ok.detail == f"{bucket}/ray: reachable and writable (s3)" and not ok.blocking
+    assert not Location.of(f"{bucket}/ray").files(recursive=True)  # the probe is removed
+    [missing] = doctor.storage(load_config(None, ["ray.storage_path=s3://no-such-bucket-pairsim/ray"]))
+    assert missing.blocking and missing.detail.startswith("s3://no-such-bucket-pairsim/ray: cannot be written")
+    assert SECRET not in missing.detail
+
+
 # --------------------------------------------------------------------------- shards
 
 def _folder_source(src: Path, images: int) -> Path:
