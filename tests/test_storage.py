@@ -92,6 +92,20 @@ def test_doctor_writes_a_probe_to_object_storage_and_names_one_it_cannot_reach(b
     assert SECRET not in missing.detail
 
 
+def test_sweeps_keep_uris_as_written_and_refuse_object_storage_for_their_state(tmp_path, monkeypatch):
+    from pairsim.cli import DEMO_SWEEP
+    from pairsim.tune.space import load_sweep
+    from pairsim.tune.sweep import run_sweep
+
+    monkeypatch.chdir(tmp_path)
+    sweep = load_sweep(DEMO_SWEEP, ["data.path=s3://bucket/data", "ray.storage_path=runs"])
+    trial = sweep.trial_config(sweep.points_to_check()[0])
+    assert trial.data.path == "s3://bucket/data" and trial.ray.storage_path == tmp_path / "runs"
+    sweep = load_sweep(DEMO_SWEEP, ["ray.storage_path=s3://bucket/runs"])
+    with pytest.raises(ConfigError, match="ray.storage_path: a sweep keeps its state .* not s3://bucket/runs"):
+        run_sweep(sweep, "s")
+
+
 # --------------------------------------------------------------------------- shards
 
 def _folder_source(src: Path, images: int) -> Path:

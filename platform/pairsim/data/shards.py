@@ -13,11 +13,12 @@ One row per image: ``image`` (encoded PNG/JPEG bytes, stored once), ``image_id``
 ``height``, ``source``.
 
 The build runs one Ray Data task per shard (so it scales out on a cluster): read the images,
-clean them (:func:`clean_image`), write the shard atomically, then its marker. ``DIR`` is a local
-directory or an object-store URI (:mod:`pairsim.storage`); every file goes through its
-``pyarrow.fs`` filesystem. Shards are planned on the driver from the source listing alone, so the output is
-the same whatever the order tasks finish in, and a re-run skips every shard whose marker
-matches its plan.
+clean them (:func:`clean_image`), write the shard atomically, then its marker. Shards are
+planned on the driver from the source listing alone, so the output is the same whatever the
+order tasks finish in, and a re-run skips every shard whose marker matches its plan.
+
+``DIR`` is a local directory or an object-store URI (:mod:`pairsim.storage`): every file is
+read and written through its ``pyarrow.fs`` filesystem.
 """
 
 from __future__ import annotations

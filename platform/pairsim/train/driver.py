@@ -130,7 +130,7 @@ def check_ready(cfg: RunConfig) -> None:
     try:
         for split in (cfg.data.train_split, cfg.data.val_split):
             shards.split_files(cfg.data.path, split)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # missing, or an object store that cannot be reached
         raise ConfigError(f"data.path: {exc}") from None
     facts = split_facts(cfg, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
