@@ -122,9 +122,6 @@ class Location:
     def is_file(self) -> bool:
         return self.info().type == pafs.FileType.File
 
-    def is_dir(self) -> bool:
-        return self.info().type == pafs.FileType.Directory
-
     def size(self) -> int | None:
         return self.info().size
 
