@@ -179,7 +179,7 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
     step from the checkpoint there. The credentials are in no param, artifact or console line."""
     from mlflow.tracking import MlflowClient
 
-    from pairsim.cli import DEMO_CONFIG
+    from pairsim.cli import DEMO_CONFIG, main
     from pairsim.train import driver
 
     data = Location.of(f"{bucket}/data")
@@ -208,6 +208,11 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
 
         states = torch.load(ckpt / "deepspeed" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         assert states["global_steps"] == 2 * steps_per_epoch  # continued, not restarted
+
+    exported = tmp_path / "export" / "model.pt"  # the best checkpoint, by its URI
+    assert main(["export", "--checkpoint", resumed.best_checkpoint_path, "--tracking-uri", first.tracking_uri,
+                 "--out", str(exported)]) == 0
+    assert exported.is_file()
 
     client = MlflowClient(first.tracking_uri)
     mlflow_run = client.get_run(first.mlflow_run_id)
