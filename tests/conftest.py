@@ -96,12 +96,34 @@ def tiny_dataset(tmp_path_factory) -> Path:
     return root
 
 
+S3_ENV = {"AWS_ACCESS_KEY_ID": "pairsim-test-key-id", "AWS_SECRET_ACCESS_KEY": "pairsim-test-secret-5f2c9a",
+          "AWS_DEFAULT_REGION": "us-east-1"}  # the secret must never show up in a log, param or artifact
+
+
 @pytest.fixture(scope="session")
-def ray_instance():
+def s3_env() -> dict[str, str]:
+    """An S3 API (moto's server) on loopback for the session, and the standard environment
+    variables that reach it (``AWS_ENDPOINT_URL`` and credentials)."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    port = unused_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield S3_ENV | {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_instance(s3_env):
     """One local Ray instance for the session's end-to-end tests (2 workers + 2 CPUs for Data).
 
     Ray workers get this directory on their path, so training functions defined in test
-    modules unpickle there, before the tests' own ``PYTHONPATH`` (a source tree they test)."""
+    modules unpickle there, before the tests' own ``PYTHONPATH`` (a source tree they test), and
+    the test S3 server's credentials in their environment (as a cluster's nodes have theirs: a
+    filesystem pickles its endpoint, not credentials)."""
     import ray
 
     from pairsim.train.driver import IDLE_WORKERS_KEPT
@@ -110,8 +132,8 @@ def ray_instance():
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
     # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
-    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": {"PYTHONPATH": os.pathsep.join(
-                 filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}},
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # the caller's too
+    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": s3_env | {"PYTHONPATH": path}},
              _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()

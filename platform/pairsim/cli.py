@@ -8,7 +8,7 @@ import codecs
 import sys
 from pathlib import Path
 
-from pairsim import log
+from pairsim import log, storage
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
 from pairsim.data.shards import BuildError
 from pairsim.registry import DATA_FORMATS
@@ -18,6 +18,14 @@ DEMO_CONFIG = Path(__file__).parent / "configs" / "demo.yaml"
 OBJECTIVES = Path(__file__).parent / "configs" / "objectives"
 DEMO_SWEEP = Path(__file__).parent / "configs" / "demo_sweep.yaml"
 DEMO_SWEEP_SHAPES = {"num_train": 3000, "num_val": 500, "num_test": 0}  # scenes of the demo sweep's dataset
+
+
+def location_arg(value: str) -> str | Path:
+    """An argument that is a local path or an object-store URI (:func:`pairsim.storage.parse`)."""
+    try:
+        return storage.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def objective_config(name: str) -> Path:
@@ -84,7 +92,8 @@ def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> lis
     from pairsim.train import engine
 
     if args.checkpoint:
-        return engine.export_checkpoint(args.checkpoint, out)
+        with storage.Location.of(args.checkpoint).local_copy() as checkpoint:
+            return engine.export_checkpoint(checkpoint, out)
     return tracking.download_run_model(args.run_id, tracking_uri, out)
 
 
@@ -111,10 +120,11 @@ def _evaluate(args: argparse.Namespace) -> None:
     result = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
     print(f"{args.split} of {args.data}, model from {args.checkpoint or 'run ' + args.run_id}:")
     print(report.format_report(result.metrics, cfg.eval.ks))
-    run_id = args.run_id or tracking.find_run(tracking_uri, Path(args.checkpoint).resolve().parent.name)
+    checkpoint = args.checkpoint and storage.Location.of(args.checkpoint)
+    run_id = args.run_id or tracking.find_run(tracking_uri, checkpoint.parent.name)
     if run_id is None:
-        run_id = tracking.create_run(tracking_uri, "pairsim-eval", f"eval-{Path(args.checkpoint).name}",
-                                     {"pairsim.checkpoint": str(Path(args.checkpoint).resolve())})
+        run_id = tracking.create_run(tracking_uri, "pairsim-eval", f"eval-{checkpoint.name}",
+                                     {"pairsim.checkpoint": str(checkpoint)})
     with tracking.RunLogger(tracking_uri, run_id) as run:
         report.log_report(run, result, embeddings, functools.partial(shards.read_rows, args.data, args.split),
                           args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
@@ -182,7 +192,7 @@ def _shards(args: argparse.Namespace) -> None:
     manifest = shards.build(cfg)
     print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c['images']:,} images / {c['captions']:,} captions in "
                                            f"{c['shards']} shards" for s, c in sorted(manifest["splits"].items()))
-          + f"; {manifest['rejected']} rejected (listed in {cfg.out / shards.REJECTS})")
+          + f"; {manifest['rejected']} rejected (listed in {storage.Location.of(cfg.out) / shards.REJECTS})")
 
 
 def add_shards_parser(sub) -> None:
@@ -195,7 +205,7 @@ def add_shards_parser(sub) -> None:
     build.add_argument("--format", required=True, choices=DATA_FORMATS.names(),
                        help="; ".join(f"{name}: {fmt.description}" for name, fmt in DATA_FORMATS.items()))
     build.add_argument("--input", type=Path, required=True, help=fields["input"].description)
-    build.add_argument("--out", type=Path, required=True, help=fields["out"].description)
+    build.add_argument("--out", type=location_arg, required=True, help=fields["out"].description)
     build.add_argument("--images-root", type=Path, help=fields["images_root"].description)
     build.add_argument("--split", help=fields["split"].description + " (default train); other splits already in "
                                         "--out are kept, so train and val can come from two files")
@@ -213,14 +223,15 @@ def add_shards_parser(sub) -> None:
     build.add_argument("--csv-separator", help="CSV separator, escapes allowed (default '\\t'; --format csv only)")
     build.add_argument("--ray-address", help="join this Ray cluster (default: RAY_ADDRESS, else a local instance)")
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
-    inspect.add_argument("dir", type=Path)
+    inspect.add_argument("dir", type=location_arg)
     inspect.add_argument("--samples", type=int, default=4, help="rows to print")
     inspect.add_argument("--sheet", type=Path, help="contact sheet PNG (default DIR/contact_sheet.png)")
 
 
 def _add_model_source(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", type=Path, help="a pairsim (Ray Train + DeepSpeed) checkpoint directory")
+    source.add_argument("--checkpoint", type=location_arg,
+                        help="a pairsim (Ray Train + DeepSpeed) checkpoint directory (a path or a URI, s3://…)")
     source.add_argument("--run-id", help="an MLflow training run: its exported best model")
     parser.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
@@ -266,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("evaluate", help="the evaluation suite on a split, printed and logged to MLflow")
     _add_model_source(evaluate)
-    evaluate.add_argument("--data", type=Path, required=True, help="dataset directory holding manifest.json")
+    evaluate.add_argument("--data", type=location_arg, required=True,
+                          help="dataset directory holding manifest.json (a path or a URI, s3://…)")
     evaluate.add_argument("--split", default="test")
     evaluate.add_argument("--batch-size", type=int, default=256)
     evaluate.add_argument("--concurrency", type=int, default=1, help="Ray Data actors embedding the split")

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, Strict, ValidationError, ValidationInfo,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, Strict, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
+from pairsim import storage
 from pairsim.registry import BASE_LOSSES, DATA_FORMATS, FUSIONS, METRICS, STRUCTURES, TEACHERS, Registry
 
 # Numbers and flags are taken as written: no bool for a number, no string for either, no float
@@ -24,6 +25,18 @@ from pairsim.registry import BASE_LOSSES, DATA_FORMATS, FUSIONS, METRICS, STRUCT
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
+
+
+def _path_or_uri(value: Any) -> Any:
+    try:
+        return storage.parse(value) if isinstance(value, (str, Path)) else value
+    except ValueError as exc:
+        raise PydanticCustomError("location", "{problem}", {"problem": str(exc)}) from None
+
+
+PathOrUri = Annotated[Path | str, BeforeValidator(_path_or_uri)]
+"""A local path (a ``Path``) or an object-store URI such as ``s3://bucket/key`` (a ``str``, see
+:mod:`pairsim.storage`): the scheme is checked and credentials in it are refused."""
 
 
 class ConfigError(ValueError):
@@ -53,7 +66,8 @@ class DataConfig(_Section):
     """Where the Parquet shards are, how training pairs are drawn from them, and what Ray Data
     may use to decode, augment and tokenize them."""
 
-    path: Path = Field(Path("data/shapes"), description="dataset directory holding manifest.json")
+    path: PathOrUri = Field(Path("data/shapes"), description="dataset directory holding manifest.json (a path or "
+                                                              "a URI: s3://bucket/key, gs://…)")
     train_split: str = "train"
     val_split: str = "val"
     test_split: str | None = Field("test", description="evaluated once, with the best checkpoint, at the end of "
@@ -431,7 +445,8 @@ class RayConfig(_Section):
     data_cpus: Float = Field(
         2.0, gt=0.0, description="CPUs kept for Ray Data ingest beside the training workers"
     )
-    storage_path: Path = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster)")
+    storage_path: PathOrUri = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster: a "
+                                                                     "shared mount or a URI, s3://bucket/key)")
     run_name: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Ray Train run name; re-running with the same name resumes it",
@@ -476,7 +491,8 @@ class BuildConfig(_Section):
     format: Annotated[str, _registered(DATA_FORMATS)] = Field(
         description="source format, a name registered in pairsim.registry.DATA_FORMATS (pairsim.data.sources)")
     input: Path = Field(description="split file, CSV, JSONL, or a .tar / directory of .tar files")
-    out: Path = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json)")
+    out: PathOrUri = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json), "
+                                       "a path or a URI (s3://bucket/key)")
     images_root: Path | None = Field(None, description="where relative image paths resolve (default: the input's directory)")
     split: str = Field("train", pattern=SPLIT_NAME, description="split name for csv, webdataset, folder")
     val_share: Float | None = Field(None, gt=0.0, lt=1.0, description="hold out this share of the images (all "
@@ -580,7 +596,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key")
         else:
-            lines.append(f"{path}: {e['msg']} (got {e.get('input')!r})")
+            got = e.get("input")
+            lines.append(f"{path}: {e['msg']} (got {(storage.masked(got) if storage.is_uri(got) else got)!r})")
     return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines)
 
 

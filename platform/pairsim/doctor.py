@@ -13,12 +13,14 @@ import os
 import platform
 import shutil
 import sys
+import uuid
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from pairsim import storage as stores
 from pairsim.config import RunConfig
 from pairsim.train import driver
 
@@ -114,7 +116,9 @@ def cluster(cfg: RunConfig) -> list[Finding]:
 
 
 def storage(cfg: RunConfig) -> list[Finding]:
-    """Free space and write access where checkpoints go."""
+    """Free space and write access where checkpoints go (an object store: reached and written)."""
+    if stores.is_uri(cfg.ray.storage_path):
+        return [object_storage(cfg.ray.storage_path)]
     path = Path(cfg.ray.storage_path).resolve()
     existing = next(p for p in (path, *path.parents) if p.exists())
     writable = existing.is_dir() and os.access(existing, os.W_OK)
@@ -122,6 +126,19 @@ def storage(cfg: RunConfig) -> list[Finding]:
     detail = (f"{path}: {free:.1f} GiB free" if writable else
               f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})")
     return [Finding("ray.storage_path", detail, blocking=not writable)]
+
+
+def object_storage(uri: str) -> Finding:
+    """Whether a probe file can be written at ``uri`` and removed, through its ``pyarrow.fs``
+    filesystem (endpoint and credentials from the environment)."""
+    try:
+        location = stores.Location.of(uri)
+        probe = location / f".pairsim-doctor-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"")
+        probe.delete()
+    except (OSError, ValueError) as exc:  # pyarrow raises OSError for I/O, ArrowInvalid (a ValueError) for URIs
+        return Finding("ray.storage_path", f"{uri}: cannot be written ({exc})", blocking=True)
+    return Finding("ray.storage_path", f"{uri}: reachable and writable ({location.fs.type_name})")
 
 
 def diagnose(cfg: RunConfig) -> list[Finding]:

@@ -24,6 +24,7 @@ from pairsim import dist
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.models import clip
+from pairsim.storage import filesystem_and_paths
 
 
 @ray.remote(num_cpus=0)
@@ -211,12 +212,12 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
     (~2 s). One block per file also lets Ray Data fuse the read with the ``map_batches`` that
     follow into one task per shard, with no hop through the object store between them.
     """
-    files = shards.split_files(cfg.data.path, split)
+    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.path, split))
     shuffle = None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed)
     context = ray.data.DataContext.get_current()
     v2, context.use_datasource_v2 = context.use_datasource_v2, False
     try:
-        return ray.data.read_parquet(files, columns=columns, shuffle=shuffle, include_paths=include_paths,
+        return ray.data.read_parquet(files, filesystem=fs, columns=columns, shuffle=shuffle, include_paths=include_paths,
                                      override_num_blocks=len(files))
     finally:
         context.use_datasource_v2 = v2

@@ -13,10 +13,12 @@ One row per image: ``image`` (encoded PNG/JPEG bytes, stored once), ``image_id``
 ``height``, ``source``.
 
 The build runs one Ray Data task per shard (so it scales out on a cluster): read the images,
-clean them (:func:`clean_image`), write the shard under a temporary name, rename it, then write
-its marker. Shards are planned on the driver from the source listing alone, so the output is
-the same whatever the order tasks finish in, and a re-run skips every shard whose marker
-matches its plan.
+clean them (:func:`clean_image`), write the shard atomically, then its marker. Shards are
+planned on the driver from the source listing alone, so the output is the same whatever the
+order tasks finish in, and a re-run skips every shard whose marker matches its plan.
+
+``DIR`` is a local directory or an object-store URI (:mod:`pairsim.storage`): every file is
+read and written through its ``pyarrow.fs`` filesystem.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ import collections
 import hashlib
 import io
 import json
-import os
 import re
-import uuid
 from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from pairsim.data import sources
 from pairsim.config import SPLIT_NAME, BuildConfig
+from pairsim.storage import Location, LocationLike, filesystem_and_paths
 from pairsim.registry import DATA_FORMATS
 
 SCHEMA_VERSION = 1
@@ -65,17 +66,18 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def write_shard(rows: list[dict[str, Any]], path: Path) -> int:
-    """Write one shard atomically (a temporary name, then a rename); return its size in bytes."""
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), tmp, compression="zstd", row_group_size=512)
-    os.replace(tmp, path)
-    return path.stat().st_size
+def write_shard(rows: list[dict[str, Any]], path: Location) -> tuple[int, str]:
+    """Write one shard atomically (:meth:`Location.write_bytes`); return its size and SHA-256."""
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA), buffer, compression="zstd", row_group_size=512)
+    data = buffer.getvalue().to_pybytes()
+    return path.write_bytes(data), hashlib.sha256(data).hexdigest()
 
 
-def write_split(rows: Iterable[dict[str, Any]], split_dir: Path, rows_per_shard: int) -> dict[str, int]:
+def write_split(rows: Iterable[dict[str, Any]], split_dir: LocationLike,
+                rows_per_shard: int) -> dict[str, int]:
     """Write rows as numbered shards of at most ``rows_per_shard`` rows; return the split's counts."""
-    split_dir.mkdir(parents=True, exist_ok=True)
+    split_dir = Location.of(split_dir)
     counts = {"images": 0, "captions": 0, "shards": 0}
     buffer: list[dict[str, Any]] = []
 
@@ -95,18 +97,18 @@ def write_split(rows: Iterable[dict[str, Any]], split_dir: Path, rows_per_shard:
     return counts
 
 
-def file_digest(path: Path) -> str:
-    with open(path, "rb") as f:
+def file_digest(path: Location) -> str:
+    with path.open_input() as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def split_content_hash(root: Path, split: str, digests: dict[str, str] | None = None) -> str:
+def split_content_hash(root: LocationLike, split: str, digests: dict[str, str] | None = None) -> str:
     """SHA-256 over a split's shards' file names and SHA-256s, in sorted order (``digests``:
     ``split/file`` → digest already known, e.g. from the build's shard markers)."""
     digests = digests or {}
     digest = hashlib.sha256()
-    for path in sorted((Path(root) / split).glob("*.parquet")):
-        rel = path.relative_to(root).as_posix()
+    for path in (Location.of(root) / split).files(".parquet"):
+        rel = f"{split}/{path.name}"
         digest.update(rel.encode())
         digest.update((digests.get(rel) or file_digest(path)).encode())
     return digest.hexdigest()
@@ -120,12 +122,13 @@ def content_hash(splits: dict[str, dict[str, Any]]) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(root: Path, source: str, splits: dict[str, dict[str, Any]], rejected: int | None = None,
+def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any]], rejected: int | None = None,
                    digests: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     """``manifest.json`` over ``splits`` (name → images, captions, shards, and optionally
     content_hash, rejected, source, build); a split's missing content hash is computed from
     its files; ``rejected`` (default: the splits' sum) is the lines of ``rejects.jsonl``.
     Written atomically: a reader sees the old manifest or the new one."""
+    root = Location.of(root)
     splits = {name: {"rejected": 0, "source": source} | counts
               | {"content_hash": counts.get("content_hash") or split_content_hash(root, name, digests)}
               for name, counts in splits.items()}
@@ -137,14 +140,12 @@ def write_manifest(root: Path, source: str, splits: dict[str, dict[str, Any]], r
         "content_hash": content_hash(splits),
         **extra,
     }
-    tmp = root / f"{MANIFEST}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, root / MANIFEST)
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
-    path = Path(root) / MANIFEST
+def read_manifest(root: LocationLike) -> dict[str, Any]:
+    path = Location.of(root) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
             f"no dataset at {root}: {path} is missing (make one with `pairsim shards build … --out {root}`, "
@@ -153,14 +154,15 @@ def read_manifest(root: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def split_files(root: Path, split: str) -> list[str]:
+def split_shards(root: LocationLike, split: str) -> list[Location]:
     """The shard files of one split, checked against the manifest."""
+    root = Location.of(root)
     manifest = read_manifest(root)
     if split not in manifest["splits"]:
         raise FileNotFoundError(
             f"{root}: split {split!r} not in manifest (has {sorted(manifest['splits'])})"
         )
-    files = sorted(str(p) for p in (Path(root) / split).glob("*.parquet"))
+    files = (root / split).files(".parquet")
     if len(files) != manifest["splits"][split]["shards"]:
         raise FileNotFoundError(
             f"{root}/{split}: manifest lists {manifest['splits'][split]['shards']} shards, found {len(files)}"
@@ -168,9 +170,20 @@ def split_files(root: Path, split: str) -> list[str]:
     return files
 
 
-def label_and_caption_counts(root: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+def split_files(root: LocationLike, split: str) -> list[str]:
+    """:func:`split_shards` as local paths or URIs, for readers that open them themselves."""
+    return [str(shard) for shard in split_shards(root, split)]
+
+
+def read_table(files: list[Location], **options: Any) -> pa.Table:
+    """Shards read with ``pyarrow.parquet.read_table`` through their filesystem."""
+    fs, paths = filesystem_and_paths(files)
+    return pq.read_table(paths, filesystem=fs, **options)
+
+
+def label_and_caption_counts(root: LocationLike, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Each image's class label and number of captions in one split (two small columns read)."""
-    table = pq.read_table(split_files(root, split), columns=["label", "captions"])
+    table = read_table(split_shards(root, split), columns=["label", "captions"])
     return (table.column("label").to_numpy(zero_copy_only=False),
             pc.list_value_length(table.column("captions")).fill_null(0).to_numpy(zero_copy_only=False))
 
@@ -272,20 +285,19 @@ def plan_shards(records: list[sources.Record], cfg: BuildConfig) -> list[dict[st
     return plans
 
 
-def _marker_path(out: Path, split: str, index: int) -> Path:
+def _marker_path(out: Location, split: str, index: int) -> Location:
     return out / MARKERS / split / shard_name(index).replace(".parquet", ".json")
 
 
-def _read_marker(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
+def _read_marker(out: Location, plan: dict[str, Any]) -> dict[str, Any] | None:
     """The shard's marker if the shard is complete and was built from this very plan."""
     path = _marker_path(out, plan["split"], plan["index"])
     try:
         marker = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    shard = out / plan["split"] / shard_name(plan["index"])
-    if marker.get("fingerprint") != plan["fingerprint"] or not shard.is_file() \
-            or shard.stat().st_size != marker.get("bytes"):
+    if marker.get("fingerprint") != plan["fingerprint"] \
+            or (out / plan["split"] / shard_name(plan["index"])).size() != marker.get("bytes"):
         return None
     return marker
 
@@ -293,7 +305,7 @@ def _read_marker(out: Path, plan: dict[str, Any]) -> dict[str, Any] | None:
 class BuildShard:
     """Ray Data task: read, clean and write one planned shard, then its marker."""
 
-    def __init__(self, out: Path, max_side: int, jpeg_quality: int):
+    def __init__(self, out: Location, max_side: int, jpeg_quality: int):
         self.out, self.max_side, self.jpeg_quality = out, max_side, jpeg_quality
 
     def __call__(self, plan: dict[str, Any]) -> dict[str, Any]:
@@ -313,32 +325,25 @@ class BuildShard:
                 continue
             rows.append({"image": image, "image_id": record.image_id, "captions": record.captions, "label": -1,
                          "label_name": None, "width": width, "height": height, "source": record.source})
-        split_dir = self.out / plan["split"]
-        split_dir.mkdir(parents=True, exist_ok=True)
+        size, sha256 = write_shard(rows, self.out / plan["split"] / shard_name(plan["index"]))
         marker = {"fingerprint": plan["fingerprint"], "images": len(rows),
-                  "captions": sum(len(r["captions"]) for r in rows), "rejects": rejects,
-                  "bytes": write_shard(rows, split_dir / shard_name(plan["index"])),
-                  "sha256": file_digest(split_dir / shard_name(plan["index"]))}
-        path = _marker_path(self.out, plan["split"], plan["index"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_text(json.dumps(marker))
-        os.replace(tmp, path)
+                  "captions": sum(len(r["captions"]) for r in rows), "rejects": rejects, "bytes": size, "sha256": sha256}
+        _marker_path(self.out, plan["split"], plan["index"]).write_text(json.dumps(marker))
         return {"split": plan["split"], "index": plan["index"], "images": len(rows), "rejected": len(rejects)}
 
 
-def _remove_leftovers(out: Path, plans: list[dict[str, Any]], splits: list[str]) -> None:
+def _remove_leftovers(out: Location, plans: list[dict[str, Any]], splits: list[str]) -> None:
     """Temporary files of killed tasks, and shards of ``splits`` an earlier, larger build of
     them left behind; other splits' files are not touched."""
     planned = {(p["split"], shard_name(p["index"])) for p in plans}
-    for path in [*out.glob("*.tmp"), *out.glob(f"{MARKERS}/*.tmp")] + [
-            p for split in splits for p in (*(out / split).glob("*.tmp"), *(out / MARKERS / split).glob("*.tmp"))]:
-        path.unlink()
+    for path in [*out.files(".tmp"), *(out / MARKERS).files(".tmp")] + [
+            p for split in splits for p in (*(out / split).files(".tmp"), *(out / MARKERS / split).files(".tmp"))]:
+        path.delete()
     for split in splits:
-        for path in (out / split).glob("part-*.parquet"):
-            if (split, path.name) not in planned:
-                path.unlink()
-                _marker_path(out, split, int(path.stem.split("-")[1])).unlink(missing_ok=True)
+        for path in (out / split).files(".parquet"):
+            if (split, path.name) not in planned and path.name.startswith("part-"):
+                path.delete()
+                _marker_path(out, split, int(path.name.removesuffix(".parquet").split("-")[1])).delete()
 
 
 def hold_out(records: list[sources.Record], share: float, seed: int, split: str = "val") -> list[sources.Record]:
@@ -351,7 +356,7 @@ def hold_out(records: list[sources.Record], share: float, seed: int, split: str 
     return [replace(r, split=split) if drawn(r.image_id) else r for r in records]
 
 
-def _other_splits(out: Path, built: list[str]) -> dict[str, dict[str, Any]]:
+def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
     """The splits of an existing dataset at ``out`` that this build leaves alone. The manifest
     is rewritten to list only them while the build runs (removed when there are none), so an
     interrupted build never leaves a manifest naming half-built shards."""
@@ -366,26 +371,22 @@ def _other_splits(out: Path, built: list[str]) -> dict[str, dict[str, Any]]:
     if others:
         write_manifest(out, manifest["source"], others)
     else:
-        (out / MANIFEST).unlink()
+        (out / MANIFEST).delete()
     return others
 
 
-def _write_rejects(out: Path, rejects: list[dict[str, str]], built: list[str]) -> None:
+def _write_rejects(out: Location, rejects: list[dict[str, str]], built: list[str]) -> int:
     """``rejects.jsonl``: this build's rejects, each with its split, after the earlier builds'
-    rejects of the other splits."""
+    rejects of the other splits; returns its number of lines."""
     kept = []
     if (out / REJECTS).is_file():
-        for line in (out / REJECTS).read_text(encoding="utf-8").splitlines():
+        for line in (out / REJECTS).read_text().splitlines():
             old = json.loads(line)
             if old.get("split") and not set(old["split"].split(",")) & set(built):
                 kept.append(line)
-    tmp = out / f"{REJECTS}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for line in kept:
-            f.write(line + "\n")
-        for reject in rejects:
-            f.write(json.dumps(reject, ensure_ascii=False, sort_keys=True) + "\n")
-    os.replace(tmp, out / REJECTS)
+    lines = kept + [json.dumps(reject, ensure_ascii=False, sort_keys=True) for reject in rejects]
+    (out / REJECTS).write_text("".join(line + "\n" for line in lines))
+    return len(lines)
 
 
 def _reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
@@ -432,8 +433,7 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
             raise BuildError(f"--val-share {cfg.val_share}: of {len(records)} images none would stay in "
                              f"{'val' if all(r.split == 'val' for r in records) else cfg.split}; change the share")
     built = sorted({r.split for r in records})
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Location.of(cfg.out)
     others = _other_splits(out, built)
     plans = plan_shards(records, cfg)
     _remove_leftovers(out, plans, built)
@@ -461,7 +461,7 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     unknown = cfg.split if cfg.format != "karpathy" else ",".join(built)  # a record too broken to have a split
     rejects = [r.to_json() | {"split": split_of.get(r.image_id, unknown)} for r in listing.rejects] + [
         r | {"split": p["split"]} for p, m in markers for r in m["rejects"]]
-    _write_rejects(out, rejects, built)
+    rejected = _write_rejects(out, rejects, built)
 
     splits: dict[str, dict[str, Any]] = {}
     for plan, marker in markers:
@@ -488,25 +488,24 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
                    "captions_recoded": listing.captions_recoded,
                    "duplicate_image_ids": sum(r.get("reason") == "duplicate image id" and r["split"] == name
                                               for r in rejects)}
-    rejected = len((out / REJECTS).read_text(encoding="utf-8").splitlines())
     return write_manifest(out, source, others | splits, rejected=rejected,
                           digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers})
 
 
 # --------------------------------------------------------------------------- inspect
 
-def sample_rows(root: Path, split: str, n: int) -> list[dict[str, Any]]:
+def sample_rows(root: LocationLike, split: str, n: int) -> list[dict[str, Any]]:
     """``n`` rows spread evenly over the split's first shard."""
-    table = pq.read_table(split_files(root, split)[0])
+    table = read_table(split_shards(root, split)[:1])
     step = max(table.num_rows // max(n, 1), 1)
     return table.take(list(range(0, table.num_rows, step))[:n]).to_pylist()
 
 
-def read_rows(root: Path, split: str, image_ids: list[str],
+def read_rows(root: LocationLike, split: str, image_ids: list[str],
               columns: tuple[str, ...] = ("image_id", "image", "captions")) -> dict[str, dict[str, Any]]:
     """The rows of ``image_ids`` in a split (Parquet's row-group statistics skip the rest)."""
-    table = pq.read_table(split_files(root, split), columns=list(columns),
-                          filters=[("image_id", "in", [str(i) for i in image_ids])])
+    table = read_table(split_shards(root, split), columns=list(columns),
+                       filters=[("image_id", "in", [str(i) for i in image_ids])])
     return {row["image_id"]: row for row in table.to_pylist()}
 
 
@@ -536,10 +535,10 @@ def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile
     return path
 
 
-def inspect(root: Path, samples: int = 4, sheet: Path | None = None, sheet_images: int = 12) -> str:
+def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, sheet_images: int = 12) -> str:
     """A readable report — counts, schema, sample rows, top reject reasons — and a contact
-    sheet PNG (default ``DIR/contact_sheet.png``) of the first split."""
-    root = Path(root)
+    sheet PNG (default ``DIR/contact_sheet.png``, ``./contact_sheet.png`` for a URI) of the first split."""
+    root = Location.of(root)
     manifest = read_manifest(root)
     lines = [f"{root}: {manifest['source']} (schema v{manifest['schema_version']}), "
              f"content hash {manifest['content_hash'][:12]}"]
@@ -547,15 +546,15 @@ def inspect(root: Path, samples: int = 4, sheet: Path | None = None, sheet_image
         lines.append(f"  {split:<8} {c['images']:>9,} images {c['captions']:>10,} captions {c['shards']:>5} shards")
     lines.append(f"  rejected: {manifest['rejected']}")
     rejects_file = root / REJECTS
-    if rejects_file.is_file() and manifest["rejected"]:
-        rejects = [json.loads(line) for line in rejects_file.read_text(encoding="utf-8").splitlines()]
+    if manifest["rejected"] and rejects_file.is_file():
+        rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
         lines.append(f"  mostly {_reject_summary(rejects)} (see {rejects_file})")
     first = sorted(manifest["splits"])[0]
-    lines += ["", "schema:", str(pq.read_schema(split_files(root, first)[0]))]
+    lines += ["", "schema:", str(read_table(split_shards(root, first)[:1]).schema)]
     lines += ["", f"sample of {first}:"]
     for row in sample_rows(root, first, samples):
         lines.append(f"  {row['image_id']} {row['width']}×{row['height']} {len(row['image']):,} B  "
                      f"{row['captions'][:2]}{' …' if len(row['captions']) > 2 else ''}")
-    sheet = contact_sheet(sample_rows(root, first, sheet_images), Path(sheet or root / "contact_sheet.png"))
-    lines += ["", f"contact sheet: {sheet}"]
+    sheet = sheet or (Path(root.path) if root.is_local else Path()) / "contact_sheet.png"
+    lines += ["", f"contact sheet: {contact_sheet(sample_rows(root, first, sheet_images), Path(sheet))}"]
     return "\n".join(lines)

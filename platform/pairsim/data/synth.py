@@ -17,12 +17,12 @@ import io
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
 from pairsim.data import shards
+from pairsim.storage import Location, LocationLike
 
 SHAPES = {
     "circle": ["circle", "disc", "round shape"],
@@ -197,14 +197,13 @@ def make_record(seed: int, split: str, index: int, image_size: int) -> dict:
     }
 
 
-def generate(out: str | Path, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
+def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
              image_size: int = 64, seed: int = 0, rows_per_shard: int = 2_000,
              progress: bool = True) -> dict:
     """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``."""
     if image_size < 24:
         raise ValueError(f"image_size must be >= 24 to draw 3×3 scenes, got {image_size}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Location.of(out)
     counts = {}
     for split, n in (("train", num_train), ("val", num_val), ("test", num_test)):
         if n <= 0:
@@ -219,11 +218,11 @@ def generate(out: str | Path, num_train: int = 10_000, num_val: int = 500, num_t
     )
 
 
-def ensure(out: str | Path, **sizes) -> Path:
-    """The shapes dataset at ``out``: left as it is when it has a manifest, else generated with
-    :func:`generate`'s ``sizes``."""
+def ensure(out: LocationLike, **sizes) -> LocationLike:
+    """The shapes dataset at ``out`` (returned): left as it is when it has a manifest, else
+    generated with :func:`generate`'s ``sizes``."""
     try:
         shards.read_manifest(out)
     except FileNotFoundError:
         generate(out, **sizes)
-    return Path(out)
+    return out

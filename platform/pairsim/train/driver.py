@@ -24,7 +24,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import log, tracking
+from pairsim import log, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
@@ -60,31 +60,45 @@ class TrainResult:
     test_metrics: dict[str, float] = field(default_factory=dict)
 
 
+def checkpoint_uri(checkpoint: ray.train.Checkpoint) -> str:
+    """Where a Ray Train checkpoint is: a local path, or a URI on object storage."""
+    return storage.Location.on(checkpoint.filesystem, checkpoint.path).uri
+
+
+def ray_storage(cfg: RunConfig) -> dict[str, Any]:
+    """``ray.train.RunConfig``'s / ``ray.tune.RunConfig``'s storage arguments for
+    ``ray.storage_path``: an absolute local path, or the path on an object store's filesystem
+    (resolved here, with the endpoint the environment names, and pickled to the workers)."""
+    location = storage.Location.of(cfg.ray.storage_path)
+    return {"storage_path": location.path, "storage_filesystem": None if location.is_local else location.fs}
+
+
 def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: str) -> tuple[str, dict[str, float]]:
     """Export the best checkpoint (by ``eval.select_metric`` on val) into the MLflow run's
     ``model/`` and evaluate it once on the test split, when the data has one."""
     best = result.get_best_checkpoint(selection_metric(cfg), cfg.eval.select_mode)
+    best_uri = checkpoint_uri(best)
     run = tracking.RunLogger(tracking_uri, run_id)
     with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
         card = engine.checkpoint_card(checkpoint)
         written = engine.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
         for path in written:
             run.log_artifact(path, tracking.MODEL_ARTIFACTS)
-        run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best.path,
+        run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best_uri,
                       "pairsim.select_metric": cfg.eval.select_metric})
         logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
-                    selection_metric(cfg), card["val"][selection_metric(cfg)], best.path, tracking.MODEL_ARTIFACTS)
+                    selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
         split = cfg.data.test_split
         if split is None or split not in shards.read_manifest(cfg.data.path)["splits"]:
             logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.path)
-            return best.path, {}
+            return best_uri, {}
         model, _ = retrieval.load_exported(written[0])
     embeddings = inference.embed_with_ray_data(model, cfg, split)
     result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
     with run:  # closing it waits for the queued metrics
         report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
                           split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
-    return best.path, result_report.metrics
+    return best_uri, result_report.metrics
 
 
 def split_facts(cfg: RunConfig, split: str) -> suite.DataFacts:
@@ -117,7 +131,7 @@ def check_ready(cfg: RunConfig) -> None:
     try:
         for split in (cfg.data.train_split, cfg.data.val_split):
             shards.split_files(cfg.data.path, split)
-    except FileNotFoundError as exc:
+    except OSError as exc:  # missing, or an object store that cannot be reached
         raise ConfigError(f"data.path: {exc}") from None
     facts = split_facts(cfg, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
@@ -239,7 +253,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(
-            name=run_name, storage_path=str(Path(cfg.ray.storage_path).resolve()),
+            name=run_name, **ray_storage(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
                                                checkpoint_score_order=cfg.eval.select_mode),
             failure_config=failure_config, callbacks=callbacks),
@@ -258,4 +272,4 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
         ray.kill(ledger)
     return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
-                       result.checkpoint.path if result.checkpoint else None, best_path, test_metrics)
+                       result.checkpoint and checkpoint_uri(result.checkpoint), best_path, test_metrics)

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
+from pairsim import storage
 from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, apply_overrides, flatten, layer,
                             read_yaml, set_dotted, validate)
 
@@ -241,12 +242,13 @@ LOCAL_PATH_KEYS = ("data.path", "ray.storage_path", "loss.cusa.teacher_features"
 
 def _absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` with its local paths made absolute against this directory: trials run in other
-    processes (``model.pretrained`` only when it names an existing file, not an open_clip tag)."""
+    processes (``model.pretrained`` only when it names an existing file, not an open_clip tag;
+    URIs such as ``s3://…`` as they are)."""
     flat = flatten(tree)
     for key in LOCAL_PATH_KEYS:
         value = flat.get(key)
         if value is not None and (key != "model.pretrained" or Path(value).is_file()):
-            set_dotted(tree, key, str(Path(value).resolve()))
+            set_dotted(tree, key, str(storage.absolute(value)))
     return tree
 
 

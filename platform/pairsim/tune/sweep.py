@@ -192,6 +192,9 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
 
     name = name or datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
     base = sweep.base
+    if isinstance(base.ray.storage_path, str):  # a URI (pairsim.storage): Tune's state and results.csv are files here
+        raise ConfigError(f"ray.storage_path: a sweep keeps its state and results on a local or mounted path, "
+                          f"not {base.ray.storage_path}; single runs take object storage")
     storage = Path(base.ray.storage_path).resolve()
     exp_dir = storage / name
     state_file = exp_dir / STATE_FILE

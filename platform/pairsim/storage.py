@@ -1,0 +1,188 @@
+"""Where data and checkpoints live: a local path or an object-store URI (``s3://bucket/key``,
+``gs://…``, any scheme ``pyarrow.fs`` opens), behind one small :class:`Location`.
+
+URIs are opened with :meth:`pyarrow.fs.FileSystem.from_uri`, so S3 reads its endpoint and
+credentials from the usual environment (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``). Credentials written
+into a URI are refused (:func:`check_uri`): they would end up in configs, MLflow params and logs.
+A :class:`Location` pickles with its filesystem's endpoint and options but not with credentials
+resolved from the environment, so Ray tasks and workers reach the same store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pyarrow.fs as pafs
+
+SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")  # pyarrow.fs's own filesystems
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SECRET_PARAM = re.compile(r"secret|token|password|passwd|credential|signature|key", re.IGNORECASE)
+_FS_SCHEME = {"s3": "s3", "gcs": "gs", "hdfs": "hdfs", "abfs": "abfs"}  # pyarrow type_name -> URI scheme
+
+
+def is_uri(value: str | Path) -> bool:
+    return isinstance(value, str) and _URI.match(value) is not None
+
+
+def masked(uri: str) -> str:
+    """``uri`` with a password in its user info and the values of secret-looking query
+    parameters replaced by ``***``, for messages."""
+    parts = urllib.parse.urlsplit(uri)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
+    query = "&".join(f"{k}={'***' if _SECRET_PARAM.search(k) else v}"
+                     for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def check_uri(uri: str) -> str:
+    """``uri`` when its scheme is one pyarrow.fs opens and it carries no credentials; else
+    ValueError naming the problem (with the URI masked)."""
+    scheme = _URI.match(uri).group(1).lower()
+    if scheme not in SCHEMES:
+        raise ValueError(f"{masked(uri)}: unsupported scheme {scheme!r} (a local path or one of "
+                         f"{', '.join(s + '://' for s in SCHEMES)})")
+    parts = urllib.parse.urlsplit(uri)
+    if "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query)):
+        raise ValueError(f"{masked(uri)}: credentials do not belong in the URI; set them in the environment "
+                         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, …)")
+    return uri
+
+
+def parse(value: str | Path) -> str | Path:
+    """A config value: a checked URI (str, kept as written) or a local path (Path); ``file://``
+    URIs become local paths."""
+    if isinstance(value, str) and value.startswith("file://"):
+        return Path(urllib.parse.urlsplit(value).path)
+    return check_uri(value.rstrip("/")) if is_uri(value) else Path(value)
+
+
+def absolute(value: str | Path) -> str | Path:
+    """A URI as it is; a local path made absolute against this directory."""
+    value = parse(value)
+    return value if isinstance(value, str) else value.resolve()
+
+
+@dataclass(frozen=True)
+class Location:
+    """A file or directory on a ``pyarrow.fs`` filesystem: ``path`` is the filesystem's own path
+    (absolute for the local one, ``bucket/key`` for S3); ``uri`` is how it is shown."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    @classmethod
+    def of(cls, value: str | Path | Location) -> Location:
+        if isinstance(value, Location):
+            return value
+        value = absolute(value)
+        if isinstance(value, Path):
+            return cls(pafs.LocalFileSystem(), str(value), str(value))
+        fs, path = pafs.FileSystem.from_uri(value)
+        return cls(fs, path, value)
+
+    @classmethod
+    def on(cls, fs: pafs.FileSystem, path: str) -> Location:
+        """``path`` on ``fs`` (e.g. a Ray Train checkpoint's), its URI rebuilt from the filesystem's type."""
+        scheme = _FS_SCHEME.get(fs.type_name)
+        return cls(fs, path, f"{scheme}://{path}" if scheme else path)
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path).name
+
+    @property
+    def parent(self) -> Location:
+        return Location(self.fs, str(PurePosixPath(self.path).parent), self.uri.rsplit("/", 1)[0])
+
+    def __truediv__(self, part: str) -> Location:
+        return Location(self.fs, f"{self.path.rstrip('/')}/{part}", f"{self.uri.rstrip('/')}/{part}")
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def info(self) -> pafs.FileInfo:
+        return self.fs.get_file_info(self.path)
+
+    def is_file(self) -> bool:
+        return self.info().type == pafs.FileType.File
+
+    def size(self) -> int | None:
+        return self.info().size
+
+    def files(self, suffix: str = "", recursive: bool = False) -> list[Location]:
+        """The files in this directory whose names end in ``suffix``, sorted; [] when it is absent."""
+        found = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True, recursive=recursive))
+        return [Location(self.fs, i.path, f"{self.uri.rstrip('/')}/{i.path[len(self.path.rstrip('/')) + 1:]}")
+                for i in sorted(found, key=lambda i: i.path)
+                if i.type == pafs.FileType.File and i.base_name.endswith(suffix)]
+
+    def open_input(self):
+        return self.fs.open_input_stream(self.path)
+
+    def read_bytes(self) -> bytes:
+        with self.open_input() as f:
+            return f.read()
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode("utf-8")
+
+    def write_bytes(self, data: bytes) -> int:
+        """Write atomically, a reader sees the old file or the new one: locally under a temporary
+        name, then renamed; an object store publishes an object only once it is whole."""
+        if self.is_local:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
+            with self.fs.open_output_stream(tmp) as f:
+                f.write(data)
+            self.fs.move(tmp, self.path)
+        else:
+            with self.fs.open_output_stream(self.path) as f:
+                f.write(data)
+        return len(data)
+
+    def write_text(self, text: str) -> int:
+        return self.write_bytes(text.encode("utf-8"))
+
+    def delete(self) -> None:
+        """Remove this file; nothing when it is not there."""
+        if self.is_file():
+            self.fs.delete_file(self.path)
+
+    @contextlib.contextmanager
+    def local_copy(self) -> Iterator[Path]:
+        """This file or directory as a local path: itself when local, else downloaded to a
+        temporary directory for the ``with`` block."""
+        if self.is_local:
+            yield Path(self.path)
+            return
+        if self.info().type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"{self.uri}: not found")
+        with tempfile.TemporaryDirectory(prefix="pairsim-") as tmp:
+            local = Path(tmp) / self.name
+            pafs.copy_files(self.path, str(local), source_filesystem=self.fs,
+                            destination_filesystem=pafs.LocalFileSystem())
+            yield local
+
+
+LocationLike = str | Path | Location  # what functions that take a location accept
+
+
+def filesystem_and_paths(locations: list[Location]) -> tuple[pafs.FileSystem, list[str]]:
+    """One filesystem and its paths for readers that take both (``pyarrow.parquet``, Ray Data)."""
+    return locations[0].fs, [loc.path for loc in locations]
