@@ -217,6 +217,8 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
     client = MlflowClient(first.tracking_uri)
     mlflow_run = client.get_run(first.mlflow_run_id)
     assert mlflow_run.data.params["data.path"] == str(data)
+    sources = {json.loads(d.dataset.source)["uri"] for d in mlflow_run.inputs.dataset_inputs}
+    assert sources == {str(data)} and {d.dataset.source_type for d in mlflow_run.inputs.dataset_inputs} == {"s3"}
     assert mlflow_run.data.tags["pairsim.best_checkpoint"].startswith(f"{bucket}/ray/on-s3/checkpoint_")
     artifacts = Path(mlflow_run.info.artifact_uri.removeprefix("file://"))
     logged = [json.dumps(mlflow_run.data.params), json.dumps(mlflow_run.data.tags)] + [

@@ -68,6 +68,9 @@ class DataConfig(_Section):
 
     path: PathOrUri = Field(Path("data/shapes"), description="dataset directory holding manifest.json (a path or "
                                                               "a URI: s3://bucket/key, gs://…)")
+    val_path: PathOrUri | None = Field(
+        None, description="dataset directory of the val and test splits when they are not in data.path (train on "
+                          "your data, evaluate on another dataset's split)")
     train_split: str = "train"
     val_split: str = "val"
     test_split: str | None = Field("test", description="evaluated once, with the best checkpoint, at the end of "
@@ -84,6 +87,16 @@ class DataConfig(_Section):
     cpus_per_task: Float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
     max_cpus: Float | None = Field(
         None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
+
+
+    def split_path(self, split: str) -> str | Path:
+        """The dataset directory that holds ``split``: ``val_path`` for the evaluated splits
+        when set, else ``path``."""
+        return self.val_path if self.val_path is not None and split != self.train_split else self.path
+
+    def split_key(self, split: str) -> str:
+        """The config key naming :meth:`split_path` (for errors)."""
+        return "data.val_path" if self.val_path is not None and split != self.train_split else "data.path"
 
 
 class ModelConfig(_Section):

@@ -28,6 +28,7 @@ from mlflow.utils.async_logging.run_operations import RunOperations, get_combine
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
+from pairsim import storage
 from pairsim.config import DataConfig, RunConfig
 from pairsim.data import shards
 from pairsim.log import get_logger
@@ -147,11 +148,14 @@ def _param(key: str, value: Any) -> Param:
     return Param(key, "None" if value is None else str(value))
 
 
-def local_dataset_source(path: Path) -> DatasetSource:
-    """MLflow's ``local`` dataset source of a directory, by absolute path (MLflow generates the
-    class; its registry holds two alike, for no scheme and ``file:``, so resolving warns)."""
-    source = next(s for s in get_registered_sources() if s._get_source_type() == "local")
-    return source(str(Path(path).resolve()))
+def dataset_source(root: str | Path) -> DatasetSource:
+    """MLflow's dataset source of a dataset directory: ``local`` by absolute path, or the one of
+    its URI's scheme (``s3``, ``gs``, …). MLflow generates these classes per scheme; its registry
+    holds two alike for no scheme and ``file:``, so resolving by URI warns."""
+    location = storage.Location.of(root)
+    kind = "local" if location.is_local else location.uri.split("://", 1)[0]
+    source = next(s for s in get_registered_sources() if s._get_source_type() == kind)
+    return source(location.uri)
 
 
 class ShardSplit(Dataset):
@@ -163,7 +167,7 @@ class ShardSplit(Dataset):
         counts = shards.read_manifest(root)["splits"][split]
         self._profile = {"split": split, "content_hash": counts["content_hash"]} | {
             k: counts[k] for k in ("images", "captions", "shards")}
-        super().__init__(local_dataset_source(root), name=f"{Path(root).name}/{split}",
+        super().__init__(dataset_source(root), name=f"{storage.Location.of(root).name}/{split}",
                          digest=counts["content_hash"][:MAX_DATASET_DIGEST_SIZE])
 
     def _compute_digest(self) -> str:  # the digest is always given
@@ -181,17 +185,15 @@ class ShardSplit(Dataset):
         return None
 
 
-DATASET_CONTEXTS = {"train_split": "training", "val_split": "validation", "test_split": "testing"}
-
-
 def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = True) -> None:
     """The train and val splits and, with ``test`` when the data has it, the test split as the
     run's MLflow dataset inputs, each with its context (``training``, ``validation``, ``testing``)."""
-    present = shards.read_manifest(data.path)["splits"]
-    splits = {"training": data.train_split, "validation": data.val_split} | (
-        {"testing": data.test_split} if test and data.test_split in present else {})
+    splits = {"training": data.train_split, "validation": data.val_split}
+    if test and data.test_split in shards.read_manifest(data.split_path(data.test_split))["splits"]:
+        splits["testing"] = data.test_split
     MlflowClient(tracking_uri).log_inputs(run_id, [
-        DatasetInput(ShardSplit(data.path, split)._to_mlflow_entity(), [InputTag(MLFLOW_DATASET_CONTEXT, context)])
+        DatasetInput(ShardSplit(data.split_path(split), split)._to_mlflow_entity(),
+                     [InputTag(MLFLOW_DATASET_CONTEXT, context)])
         for context, split in splits.items()])
 
 

@@ -212,7 +212,7 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
     (~2 s). One block per file also lets Ray Data fuse the read with the ``map_batches`` that
     follow into one task per shard, with no hop through the object store between them.
     """
-    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.path, split))
+    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split))
     shuffle = None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed)
     context = ray.data.DataContext.get_current()
     v2, context.use_datasource_v2 = context.use_datasource_v2, False

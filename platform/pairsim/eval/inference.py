@@ -59,7 +59,7 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
                  num_gpus=1 if cfg.train.use_gpu else 0)
-    counts = shards.read_manifest(cfg.data.path)["splits"][split]
+    counts = shards.read_manifest(cfg.data.split_path(split))["splits"][split]
     batches = []
     try:
         with tqdm(total=counts["images"] + counts["captions"], desc=f"embedding {split}", unit="item",

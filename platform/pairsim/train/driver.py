@@ -89,21 +89,21 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
         logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
                     selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
         split = cfg.data.test_split
-        if split is None or split not in shards.read_manifest(cfg.data.path)["splits"]:
-            logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.path)
+        if split is None or split not in shards.read_manifest(cfg.data.split_path(split))["splits"]:
+            logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
             return best_uri, {}
         model, _ = retrieval.load_exported(written[0])
     embeddings = inference.embed_with_ray_data(model, cfg, split)
     result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
     with run:  # closing it waits for the queued metrics
-        report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.path, split),
+        report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(split), split),
                           split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
     return best_uri, result_report.metrics
 
 
 def split_facts(cfg: RunConfig, split: str) -> suite.DataFacts:
     """What ``split`` of the run's data holds that decides its metrics (read from the shards)."""
-    return suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.path, split))
+    return suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.split_path(split), split))
 
 
 def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
@@ -116,10 +116,13 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
         except FileNotFoundError:  # a test split that is not there is not evaluated
             continue
         if groups := suite.skipped_groups(cfg.eval.ks, facts):
-            logger.info("the %s split of %s has %s: no %s metrics", split, cfg.data.path, facts.describe(),
+            logger.info("the %s split of %s has %s: no %s metrics", split, cfg.data.split_path(split), facts.describe(),
                         ", ".join(groups.values()))
         skipped |= groups
     return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
+
+
+MIN_SPLIT_IMAGES = 2  # a query ranks at least one candidate against another
 
 
 def check_ready(cfg: RunConfig) -> None:
@@ -128,15 +131,20 @@ def check_ready(cfg: RunConfig) -> None:
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
     clip.check_model_config(cfg.model)
-    try:
-        for split in (cfg.data.train_split, cfg.data.val_split):
-            shards.split_files(cfg.data.path, split)
-    except OSError as exc:  # missing, or an object store that cannot be reached
-        raise ConfigError(f"data.path: {exc}") from None
+    for split in (cfg.data.train_split, cfg.data.val_split):
+        key = cfg.data.split_key(split)
+        try:
+            shards.split_files(cfg.data.split_path(split), split)
+            images = shards.read_manifest(cfg.data.split_path(split))["splits"][split]["images"]
+        except OSError as exc:  # missing, or an object store that cannot be reached
+            raise ConfigError(f"{key}: {exc}") from None
+        if images < MIN_SPLIT_IMAGES:
+            raise ConfigError(f"{key}: the {split} split of {cfg.data.split_path(split)} has {images} images; "
+                              f"training and retrieval need at least {MIN_SPLIT_IMAGES}")
     facts = split_facts(cfg, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
     if cfg.eval.select_metric not in given:
-        raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.path} ({facts.describe()}) "
+        raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.split_path(cfg.data.val_split)} ({facts.describe()}) "
                           f"gives no {cfg.eval.select_metric!r}; it gives {', '.join(given)}")
     teachers.check_teachers(cfg)
     if cfg.loss.cusa and cfg.loss.cusa.teacher_features:

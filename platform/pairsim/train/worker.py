@@ -152,7 +152,7 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
     run.log_metrics(metrics, step)
     similarity.log_similarities(run, embeddings, step, epoch)
-    log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.path, cfg.data.val_split),
+    log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split),
                  "val", step, title=f"val, epoch {epoch}")
     return metrics
 

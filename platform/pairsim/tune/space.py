@@ -237,7 +237,7 @@ def _errors_of(tree: dict[str, Any]) -> str | None:
     return None
 
 
-LOCAL_PATH_KEYS = ("data.path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained")
+LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained")
 
 
 def _absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
