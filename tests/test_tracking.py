@@ -103,3 +103,17 @@ def test_system_metrics_are_sampled_until_close(store):
     assert steps == list(range(len(steps))) and len(steps) >= 2
     time.sleep(0.5)  # closed: no more samples
     assert len(client.get_metric_history(run_id, "system/cpu_utilization_percentage")) == len(steps)
+
+
+def test_credentials_in_a_tracking_uri_are_refused_and_masked(monkeypatch):
+    from pairsim import storage
+    from pairsim.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["tracking.tracking_uri=https://alice:s3cr3t@mlflow.example:5000"])
+    assert "s3cr3t" not in str(err.value) and "MLFLOW_TRACKING_PASSWORD" in str(err.value)
+    with pytest.raises(ConfigError, match=r"token=\*\*\*") as err:
+        load_config(None, ["tracking.tracking_uri=https://mlflow.example/?token=abc123"])
+    assert "abc123" not in str(err.value)
+    assert storage.masked("https://alice:s3cr3t@host/x") == "https://alice:***@host/x"
+    assert storage.masked("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"  # nothing to hide: as written

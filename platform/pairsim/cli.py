@@ -38,9 +38,9 @@ def objective_config(name: str) -> Path:
 
 
 def _print_run(run_id: str, tracking_uri: str) -> None:
-    print(f"\nMLflow run {run_id} in {tracking_uri}")
+    print(f"\nMLflow run {run_id} in {storage.masked(tracking_uri)}")
     if tracking_uri.startswith("sqlite:///"):
-        print(f"look at it with:  mlflow ui --backend-store-uri {tracking_uri}")
+        print(f"look at it with:  mlflow ui --backend-store-uri {storage.masked(tracking_uri)}")
 
 
 def _train(cfg: RunConfig) -> None:
@@ -139,7 +139,7 @@ def _export(args: argparse.Namespace) -> None:
     print("wrote " + ", ".join(str(p) for p in written))
     if args.register:
         version = tracking.register_model(args.out, args.register, tracking_uri, args.run_id)
-        print(f"registered as {args.register} version {version} in {tracking_uri}")
+        print(f"registered as {args.register} version {version} in {storage.masked(tracking_uri)}")
 
 
 def _ensure_demo_data(path: Path, **sizes: int) -> None:

@@ -444,11 +444,22 @@ def reported_metrics(ks: tuple[int, ...], facts: Any = None) -> dict[str, str | 
 class TrackingConfig(_Section):
     """MLflow: URI from here, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``."""
 
-    tracking_uri: str | None = None
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); credentials go in "
+                          "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, not here")
     experiment: str = "pairsim"
     system_metrics_interval_s: Float = Field(
         10.0, ge=0.0, description="seconds between samples of CPU, memory, disk, network and GPU use on rank 0's "
                                   "node (system/… metrics); 0: none")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        if uri and storage.has_credentials(uri):
+            raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
+                             "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                             "MLFLOW_TRACKING_TOKEN")
+        return uri
 
 
 class RayConfig(_Section):

@@ -34,7 +34,9 @@ def is_uri(value: str | Path) -> bool:
 
 def masked(uri: str) -> str:
     """``uri`` with a password in its user info and the values of secret-looking query
-    parameters replaced by ``***``, for messages."""
+    parameters replaced by ``***``, for messages; ``uri`` itself when it carries none."""
+    if not has_credentials(uri):
+        return uri
     parts = urllib.parse.urlsplit(uri)
     netloc = parts.netloc
     if "@" in netloc:
@@ -52,11 +54,16 @@ def check_uri(uri: str) -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"{masked(uri)}: unsupported scheme {scheme!r} (a local path or one of "
                          f"{', '.join(s + '://' for s in SCHEMES)})")
-    parts = urllib.parse.urlsplit(uri)
-    if "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query)):
+    if has_credentials(uri):
         raise ValueError(f"{masked(uri)}: credentials do not belong in the URI; set them in the environment "
                          "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, …)")
     return uri
+
+
+def has_credentials(uri: str) -> bool:
+    """Whether ``uri`` carries user info (``user:password@``) or secret-looking query parameters."""
+    parts = urllib.parse.urlsplit(uri)
+    return "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query))
 
 
 def parse(value: str | Path) -> str | Path:

@@ -316,7 +316,7 @@ def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[
             local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=MODEL_ARTIFACTS,
                                                              tracking_uri=tracking_uri, dst_path=tmp))
         except Exception as exc:  # MLflow raises several types for a missing run or artifact
-            raise FileNotFoundError(f"run {run_id} in {tracking_uri}: no exported model under "
+            raise FileNotFoundError(f"run {run_id} in {storage.masked(tracking_uri)}: no exported model under "
                                     f"{MODEL_ARTIFACTS}/ ({exc})") from None
         written = []
         for source, target in zip(retrieval.exported_files(local / "model.pt"), retrieval.exported_files(out)):
