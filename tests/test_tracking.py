@@ -117,3 +117,26 @@ def test_credentials_in_a_tracking_uri_are_refused_and_masked(monkeypatch):
     assert "abc123" not in str(err.value)
     assert storage.masked("https://alice:s3cr3t@host/x") == "https://alice:***@host/x"
     assert storage.masked("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"  # nothing to hide: as written
+
+
+def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path):
+    import socket
+    import time
+
+    from conftest import unused_port
+    from pairsim.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tracking.tracking_uri: no MLflow server answers at "
+                                          r"http://127.0.0.1:\d+ .*ConnectionError"):
+        tracking.check_reachable(f"http://127.0.0.1:{unused_port()}")  # nothing listens
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=r"within 1 s \((ReadTimeout|ConnectTimeout)") as err:
+            tracking.check_reachable(f"http://u:secret@127.0.0.1:{silent.getsockname()[1]}", timeout=1)
+        assert "secret" not in str(err.value)
+        assert time.monotonic() - started < 5
+    with pytest.raises(ConfigError, match="cannot write to /nonexistent"):
+        tracking.check_reachable("sqlite:////nonexistent/dir/mlflow.db")
+    tracking.check_reachable(f"sqlite:///{tmp_path}/mlflow.db")

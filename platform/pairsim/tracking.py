@@ -29,7 +29,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
 from pairsim import storage
-from pairsim.config import DataConfig, RunConfig
+from pairsim.config import ConfigError, DataConfig, RunConfig
 from pairsim.data import shards
 from pairsim.log import get_logger
 from pairsim.models import retrieval
@@ -49,6 +49,29 @@ def resolve_tracking_uri(configured: str | None) -> str:
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         uri = prefix + str(Path(uri[len(prefix):]).resolve())
     return uri
+
+
+REACHABLE_TIMEOUT_S = 10.0
+
+
+def check_reachable(uri: str, timeout: float = REACHABLE_TIMEOUT_S) -> None:
+    """Fail fast, naming ``tracking.tracking_uri`` (masked), when the MLflow store cannot be
+    reached: a tracking server must answer ``/health`` within ``timeout`` seconds (MLflow's
+    client retries for minutes first), a sqlite store's directory must be writable."""
+    import requests
+
+    shown = storage.masked(uri)
+    if uri.startswith(("http://", "https://")):
+        try:
+            requests.get(uri.rstrip("/") + "/health", timeout=timeout)
+        except requests.RequestException as exc:
+            raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {shown} within {timeout:g} s "
+                              f"({type(exc).__name__}); start it or point tracking.tracking_uri / "
+                              "MLFLOW_TRACKING_URI elsewhere") from None
+    elif uri.startswith("sqlite:///"):
+        directory = Path(uri.removeprefix("sqlite:///")).parent
+        if not os.access(directory, os.W_OK):
+            raise ConfigError(f"tracking.tracking_uri: {shown}: cannot write to {directory}")
 
 
 def context_tags() -> dict[str, str]:
