@@ -139,27 +139,32 @@ def ray_instance(s3_env):
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on loopback with proxied artifacts; yields its tracking URI."""
-    root = tmp_path_factory.mktemp("mlflow-server")
-    port = unused_port()
+def start_mlflow_server(root: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on 127.0.0.1:``port`` with its store and proxied artifacts under ``root``,
+    returned once it answers /health."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts"),
          "--workers", "1"],
-        stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
+        stdout=open(root / "server.log", "a"), stderr=subprocess.STDOUT)
     deadline = time.time() + 120
     while True:
         try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()
                 raise RuntimeError(f"mlflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
             time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on loopback with proxied artifacts; yields its tracking URI."""
+    port = unused_port()
+    proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port)
+    uri = f"http://127.0.0.1:{port}"
     yield uri
     proc.terminate()
     proc.wait(timeout=30)

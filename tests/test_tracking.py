@@ -140,3 +140,49 @@ def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path
     with pytest.raises(ConfigError, match="cannot write to /nonexistent"):
         tracking.check_reachable("sqlite:////nonexistent/dir/mlflow.db")
     tracking.check_reachable(f"sqlite:///{tmp_path}/mlflow.db")
+
+
+@pytest.mark.slow
+def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog):
+    """The server dies mid-run: logging returns at once, pictures are skipped with a warning,
+    metrics wait in the buffer; it comes back: every metric is there exactly once. Down again at
+    the end: what is unsent stays in the spill file, named."""
+    from conftest import start_mlflow_server, unused_port
+
+    port = unused_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(tmp_path, port)
+    client, run_id = new_run(uri)
+    run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=20)
+    for step in range(1, 11):
+        run.log_metrics({"train/loss": 1 / step}, step)
+    assert run.flush(timeout=60)
+    server.terminate()
+    server.wait(timeout=30)
+
+    started = time.monotonic()
+    for step in range(11, 31):
+        run.log_metrics({"train/loss": 1 / step}, step)  # the training step: never waits
+    assert time.monotonic() - started < 1
+    picture = tmp_path / "p.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n")
+    run.log_artifact(picture, "val")  # one short attempt, then a warning
+    time.sleep(3)
+    assert not run.flush(timeout=60)  # no wait during the outage
+    assert time.monotonic() - started < 60
+    assert "MLflow cannot be reached" in caplog.text and "artifact p.png not logged" in caplog.text
+
+    server = start_mlflow_server(tmp_path, port)  # same store: the run is still there
+    deadline = time.time() + 90
+    while not run.flush(timeout=5):
+        assert time.time() < deadline, "the buffered metrics were not sent after the server came back"
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 31))  # each step once
+
+    server.terminate()
+    server.wait(timeout=30)
+    for step in range(31, 36):
+        run.log_metrics({"train/loss": 1 / step}, step)
+    run.close()
+    spilled = [json.loads(line) for line in run.spill_file.read_text().splitlines()]
+    assert [m[3] for m in spilled] == list(range(31, 36)) and str(run.spill_file) in caplog.text

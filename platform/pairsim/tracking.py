@@ -10,11 +10,14 @@ beside the database, as absolute paths, so workers in any directory write to the
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,9 @@ from mlflow.data.dataset import Dataset
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
-from mlflow.utils.async_logging.run_operations import RunOperations, get_combined_run_operations
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
@@ -266,44 +269,101 @@ def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float) ->
     return monitor
 
 
-class RunLogger:
-    """What rank 0 uses to write into the job's run.
+TRANSIENT_ERROR_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "RESOURCE_EXHAUSTED", "REQUEST_LIMIT_EXCEEDED"}
 
-    Metrics go through MLflow's asynchronous logging: :meth:`log_metrics` queues them and
-    returns (no round trip on the training step); :meth:`flush` waits for everything queued
-    and raises what failed, and so does :meth:`log_metrics` every ``MAX_PENDING`` calls.
-    With ``system_metrics_interval_s`` > 0 it runs :func:`system_metrics_monitor` until
-    :meth:`close`, which also flushes (a ``with`` block closes it at its end).
+
+def is_transient(exc: Exception) -> bool:
+    """Whether an MLflow call failed because the server is unreachable or overloaded (worth a
+    retry), rather than refused what it was sent (a deleted run, a bad value)."""
+    import requests
+
+    if isinstance(exc, (requests.RequestException, OSError)):
+        return True
+    return isinstance(exc, MlflowException) and exc.error_code in TRANSIENT_ERROR_CODES
+
+
+class RunLogger:
+    """What rank 0 (and the driver) use to write into the job's run.
+
+    Metrics are buffered and sent by a background thread, so the training step never waits
+    for MLflow. While the server cannot be reached they stay buffered — in memory up to
+    ``MAX_BUFFERED``, the oldest spilled to a local JSONL file beyond — and go out, oldest
+    first, once it answers again (MLflow stores an identical re-sent metric once). A refused
+    write (a deleted run) raises at the next :meth:`log_metrics` or :meth:`flush`.
+
+    :meth:`flush` waits up to ``timeout`` seconds for the buffer to drain (not at all during an
+    outage); :meth:`close` waits up to ``close_timeout`` and then leaves what is still unsent in
+    the spill file, named in a warning. With ``tolerate_outage`` (the training loop) pictures,
+    artifacts and tags that cannot reach MLflow are skipped with a warning instead of stopping
+    training, and MLflow's own HTTP retries are cut to one short attempt (this process only),
+    so an outage costs seconds, not minutes per call. With ``system_metrics_interval_s`` > 0
+    it runs :func:`system_metrics_monitor` until :meth:`close` (a ``with`` block closes it).
     """
 
-    MAX_PENDING = 1000
+    MAX_BUFFERED = 200_000
+    BATCH = 1000  # MLflow's limit of metrics per log_batch
+    RETRY_S = (1, 2, 5, 10, 30)  # waits between attempts while the server is away
 
-    def __init__(self, tracking_uri: str, run_id: str, system_metrics_interval_s: float = 0.0):
-        self.client, self.run_id = MlflowClient(tracking_uri), run_id
-        self._pending: list[RunOperations] = []
+    def __init__(self, tracking_uri: str, run_id: str, system_metrics_interval_s: float = 0.0,
+                 tolerate_outage: bool = False, spill_dir: str | Path | None = None, close_timeout: float = 120.0):
+        if tolerate_outage:
+            for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
+                os.environ.setdefault(name, value)
+        self.client, self.run_id, self.tolerate_outage = MlflowClient(tracking_uri), run_id, tolerate_outage
+        self.close_timeout = close_timeout
+        self.spill_file = Path(spill_dir or tempfile.gettempdir()) / f"pairsim-unsent-{run_id}.jsonl"
+        self._buffer: collections.deque[Metric] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake, self._drained, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._drained.set()
+        self._refused: Exception | None = None
+        self._outage: Exception | None = None
+        self._sender = threading.Thread(target=self._send_loop, name=f"mlflow-{run_id[:8]}", daemon=True)
+        self._sender.start()
         self._monitor = (system_metrics_monitor(tracking_uri, run_id, system_metrics_interval_s)
                          if system_metrics_interval_s > 0 else None)
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
-        if operations := self.client.log_batch(self.run_id, metrics=[
-                Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()], synchronous=False):
-            self._pending.append(operations)
-        if len(self._pending) >= self.MAX_PENDING:
-            self.flush()
+    # ------------------------------------------------------------------ metrics
 
-    def flush(self) -> None:
-        """Wait for every queued metric; an ``MlflowException`` lists the ones that failed."""
-        pending, self._pending = self._pending, []
-        if pending:
-            get_combined_run_operations(pending).wait()
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._raise_refused()
+        now = int(time.time() * 1000)
+        with self._lock:
+            self._buffer.extend(Metric(metric_key(k), float(v), now, step) for k, v in metrics.items())
+            if len(self._buffer) > self.MAX_BUFFERED:
+                self._spill([self._buffer.popleft() for _ in range(len(self._buffer) // 2)])
+            self._drained.clear()
+        self._wake.set()
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every metric logged so far is in MLflow, up to ``timeout`` seconds (no wait
+        while the server is away); True when they are. Raises a refused write."""
+        self._wake.set()
+        drained = self._drained.is_set() or (self._outage is None and self._drained.wait(timeout))
+        self._raise_refused()
+        return drained
 
     def close(self) -> None:
-        """Flush, and stop the system-metrics monitor (logging its last samples)."""
+        """Stop the system-metrics monitor, send what is buffered (up to ``close_timeout``) and
+        stop the sender; what could not be sent stays in :attr:`spill_file`, named in a warning."""
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
-        self.flush()
+        self._wake.set()
+        self._drained.wait(self.close_timeout)
+        self._stop.set()
+        self._wake.set()
+        self._sender.join(timeout=30)
+        with self._lock:
+            unsent = list(self._buffer)
+            self._buffer.clear()
+            if unsent:
+                self._spill(unsent)
+        if self.spill_file.exists():
+            logger.warning("MLflow could not be reached: %s metrics of run %s are not in it; they are kept in %s "
+                           "(one JSON metric per line)", sum(1 for _ in self.spill_file.open()), self.run_id,
+                           self.spill_file)
+        self._raise_refused()
 
     def __enter__(self) -> RunLogger:
         return self
@@ -311,21 +371,85 @@ class RunLogger:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _spill(self, metrics: list[Metric]) -> None:
+        with self.spill_file.open("a") as f:
+            f.writelines(json.dumps([m.key, m.value, m.timestamp, m.step]) + "\n" for m in metrics)
+
+    def _next_batch(self) -> tuple[list[Metric], bool]:
+        """Up to ``BATCH`` metrics to send, oldest first (spilled ones before buffered ones), and
+        whether they come from the spill file."""
+        with self._lock:
+            if self.spill_file.exists():
+                return [Metric(*json.loads(line)) for line in self.spill_file.read_text().splitlines()], True
+            if not self._buffer:
+                self._drained.set()  # under the lock: log_metrics clears it under the lock too
+            return [self._buffer[i] for i in range(min(self.BATCH, len(self._buffer)))], False
+
+    def _send_loop(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            batch, spilled = self._next_batch()
+            if not batch:
+                self._wake.wait(timeout=5.0)
+                self._wake.clear()
+                continue
+            try:
+                for start in range(0, len(batch), self.BATCH):
+                    self.client.log_batch(self.run_id, metrics=batch[start:start + self.BATCH])
+            except Exception as exc:  # noqa: BLE001 - classified below, never lost
+                if not is_transient(exc):
+                    self._refused = exc
+                    self._drained.set()
+                    return
+                if self._outage is None:
+                    logger.warning("MLflow cannot be reached (%s: %s); training goes on, metrics are buffered "
+                                   "and sent when it answers", type(exc).__name__, str(exc).splitlines()[0][:200])
+                self._outage = exc
+                self._wake.wait(timeout=self.RETRY_S[min(attempt, len(self.RETRY_S) - 1)])
+                self._wake.clear()
+                attempt += 1
+                continue
+            with self._lock:
+                if spilled:
+                    self.spill_file.unlink()
+                else:
+                    for _ in batch:
+                        self._buffer.popleft()
+            if self._outage is not None:
+                logger.warning("MLflow answers again: buffered metrics sent")
+                self._outage, attempt = None, 0
+
+    def _raise_refused(self) -> None:
+        if self._refused is not None:
+            raise self._refused
+
+    # ------------------------------------------------------------------ everything else
+
+    def _call(self, what: str, call: Callable[[], Any]) -> None:
+        """``call()``; with ``tolerate_outage`` an unreachable server skips it with a warning."""
+        try:
+            call()
+        except Exception as exc:
+            if not (self.tolerate_outage and is_transient(exc)):
+                raise
+            logger.warning("MLflow cannot be reached: %s not logged (%s)", what, type(exc).__name__)
+
     def log_image(self, path: str | Path, key: str, step: int) -> None:
         """A PNG as MLflow's step image ``key`` (the UI shows each key's images with a step slider)."""
         import mlflow
 
-        self.client.log_image(self.run_id, mlflow.Image(str(path)), key=key, step=step, synchronous=True)
+        self._call(f"image {key} at step {step}", lambda: self.client.log_image(
+            self.run_id, mlflow.Image(str(path)), key=key, step=step, synchronous=True))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        self.client.log_artifact(self.run_id, str(path), artifact_path)
+        self._call(f"artifact {Path(path).name}", lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for key, value in tags.items():
-            self.client.set_tag(self.run_id, key, value)
+            self._call(f"tag {key}", lambda: self.client.set_tag(self.run_id, key, value))
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
-        self.client.log_dict(self.run_id, data, artifact_file)
+        self._call(f"artifact {artifact_file}", lambda: self.client.log_dict(self.run_id, data, artifact_file))
 
 
 def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[Path]:

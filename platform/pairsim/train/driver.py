@@ -78,25 +78,25 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
     ``model/`` and evaluate it once on the test split, when the data has one."""
     best = result.get_best_checkpoint(selection_metric(cfg), cfg.eval.select_mode)
     best_uri = checkpoint_uri(best)
-    run = tracking.RunLogger(tracking_uri, run_id)
-    with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
-        card = engine.checkpoint_card(checkpoint)
-        written = engine.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
-        for path in written:
-            run.log_artifact(path, tracking.MODEL_ARTIFACTS)
-        run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best_uri,
-                      "pairsim.select_metric": cfg.eval.select_metric})
-        logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
-                    selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
-        split = cfg.data.test_split
-        if split is None or split not in shards.read_manifest(cfg.data.split_path(split))["splits"]:
-            logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
-            return best_uri, {}
-        model, _ = retrieval.load_exported(written[0])
-    embeddings = inference.embed_with_ray_data(model, cfg, split)
-    result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
-    with run:  # closing it waits for the queued metrics
-        report.log_report(run, result_report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(split), split),
+    with tracking.RunLogger(tracking_uri, run_id) as run:  # closing it sends the buffered metrics
+        with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
+            card = engine.checkpoint_card(checkpoint)
+            written = engine.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
+            for path in written:
+                run.log_artifact(path, tracking.MODEL_ARTIFACTS)
+            run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best_uri,
+                          "pairsim.select_metric": cfg.eval.select_metric})
+            logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
+                        selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
+            split = cfg.data.test_split
+            if split is None or split not in shards.read_manifest(cfg.data.split_path(split))["splits"]:
+                logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
+                return best_uri, {}
+            model, _ = retrieval.load_exported(written[0])
+        embeddings = inference.embed_with_ray_data(model, cfg, split)
+        result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
+        report.log_report(run, result_report, embeddings,
+                          functools.partial(shards.read_rows, cfg.data.split_path(split), split),
                           split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
     return best_uri, result_report.metrics
 

@@ -170,7 +170,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
-    run = RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s) if rank == 0 else None
+    run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s, tolerate_outage=True)
+           if rank == 0 else None)
     ledger = ray.get_actor(job.ledger)
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)

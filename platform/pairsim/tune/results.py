@@ -213,9 +213,8 @@ def log_inputs(tracking_uri: str, parent_run_id: str, sweep: Sweep) -> None:
     """The sweep file and its resolved base run config, as artifacts of the parent run, and the
     base's train and val splits as its dataset inputs (:func:`pairsim.tracking.log_datasets`)."""
     tracking.log_datasets(tracking_uri, parent_run_id, sweep.base.data, test=False)
-    run = tracking.RunLogger(tracking_uri, parent_run_id)
-    run.log_artifact(sweep.source, "sweep")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tracking.RunLogger(tracking_uri, parent_run_id) as run, tempfile.TemporaryDirectory() as tmp:
+        run.log_artifact(sweep.source, "sweep")
         base = Path(tmp) / "base_config.yaml"
         base.write_text(sweep.base.to_yaml())
         run.log_artifact(base, "sweep")
