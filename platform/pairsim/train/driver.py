@@ -25,7 +25,7 @@ from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from pairsim import log, tracking
-from pairsim.config import ConfigError, RunConfig
+from pairsim.config import ConfigError, RunConfig, is_uri
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
@@ -107,8 +107,24 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
     return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def storage_problem(path: Path) -> str | None:
+    """Why checkpoints cannot go to the absolute ``path`` (it cannot be created or written), or None."""
+    existing = nearest_existing(path)
+    if existing.is_dir() and os.access(existing, os.W_OK):
+        return None
+    return f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})"
+
+
 def check_ready(cfg: RunConfig) -> None:
-    """Everything that can be checked before the cluster is touched."""
+    """Everything that can be checked before the cluster is touched. Local paths are checked
+    as they are: :func:`fit` makes them absolute against the working directory first."""
+    if not is_uri(cfg.ray.storage_path) and (problem := storage_problem(Path(cfg.ray.storage_path).resolve())):
+        raise ConfigError(f"ray.storage_path: {problem}")
     if cfg.optim.impl == "deepspeed" and starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
@@ -200,6 +216,7 @@ STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial 
 
 def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     started_at = time.time()
+    cfg = cfg.with_absolute_paths()
     check_ready(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
     per_epoch = steps_per_epoch(cfg)
