@@ -1,11 +1,60 @@
 """What a run needs as a Ray job, short of a cluster (``test_job_submit.py`` has the cluster):
-local paths in the config resolve against the working directory and are refused before Ray
-starts when they point nowhere."""
+SIGTERM unwinds the command, the MLflow run ends KILLED, and local paths in the config resolve
+against the working directory and are refused before Ray starts when they point nowhere."""
+
+import os
+import signal
+from contextlib import nullcontext
 
 import pytest
+from mlflow.tracking import MlflowClient
 
+from pairsim import cli, tracking
 from pairsim.config import ConfigError, load_config
+from pairsim.jobs import JobStopped, stop_on_sigterm
 from pairsim.train import driver
+
+
+def test_sigterm_raises_job_stopped_inside_the_block_only():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(JobStopped, match="stopped by SIGTERM"), stop_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # the handler runs before this returns
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_keyboard_interrupt_ray_raises_for_a_sigterm_leaves_as_job_stopped():
+    with pytest.raises(JobStopped, match="stopped by SIGTERM") as stopped, stop_on_sigterm():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        except JobStopped:
+            raise KeyboardInterrupt from None  # what ray.get raises when the handler raised in its signal check
+    assert type(stopped.value.__cause__) is KeyboardInterrupt
+
+
+def test_a_command_stopped_by_sigterm_exits_143(monkeypatch, capsys):
+    def stopped(*args):
+        raise JobStopped("stopped by SIGTERM")
+
+    monkeypatch.setattr(cli, "_demo", stopped)
+    assert cli.main(["demo"]) == 128 + signal.SIGTERM
+    assert "pairsim: stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("outcome, status", [("succeeds", "FINISHED"), ("fails", "FAILED"), ("stopped", "KILLED")])
+def test_ending_run_sets_the_status_of_how_the_block_ended(tmp_path, outcome, status):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    raised = {"fails": RuntimeError("boom"), "stopped": JobStopped("stopped by SIGTERM")}.get(outcome)
+    with pytest.raises(type(raised)) if raised else nullcontext(), tracking.ending_run(uri, run_id) as result:
+        if raised:
+            raise raised
+        result.succeeded = True
+    run = client.get_run(run_id)
+    assert run.info.status == status
+    assert run.data.tags.get(tracking.STOPPED_TAG) == ("stopped by SIGTERM" if outcome == "stopped" else None)
 
 
 def test_local_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):

@@ -14,10 +14,13 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from pairsim.config import RunConfig
@@ -138,11 +141,6 @@ def _param(key: str, value: Any) -> Param:
     return Param(key, "None" if value is None else str(value))
 
 
-def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:
-    MlflowClient(resolve_tracking_uri(tracking_uri)).set_terminated(
-        run_id, RunStatus.to_string(RunStatus.FINISHED if succeeded else RunStatus.FAILED))
-
-
 def open_sweep_run(tracking_uri: str, experiment: str, sweep_name: str, params: dict[str, Any],
                    tags: dict[str, str]) -> tuple[str, bool]:
     """The parent run of sweep ``sweep_name``: found by its tag when the sweep is resumed (and
@@ -172,6 +170,33 @@ def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, 
     if tags:
         client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     client.set_terminated(run_id, status)
+
+
+STOPPED_TAG = "pairsim.stopped_by"  # on a run ended KILLED: what stopped it
+
+
+@dataclass
+class Outcome:
+    """What the block of :func:`ending_run` sets when its work succeeded."""
+
+    succeeded: bool = False
+
+
+@contextmanager
+def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
+    """Ends ``run_id`` when the block exits: FINISHED if it set ``succeeded``; KILLED, tagged
+    ``pairsim.stopped_by``, when a ``KeyboardInterrupt`` stopped it (Ctrl-C, or
+    :class:`pairsim.jobs.JobStopped` on SIGTERM), which propagates; FAILED otherwise."""
+    outcome, status, tags = Outcome(), "FAILED", {}
+    try:
+        yield outcome
+        if outcome.succeeded:
+            status = "FINISHED"
+    except KeyboardInterrupt as exc:
+        status, tags = "KILLED", {STOPPED_TAG: str(exc) or "KeyboardInterrupt"}
+        raise
+    finally:
+        set_run_status(tracking_uri, run_id, status, tags)
 
 
 class RunLogger:

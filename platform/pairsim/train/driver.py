@@ -24,7 +24,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import log, tracking
+from pairsim import jobs, log, tracking
 from pairsim.config import ConfigError, RunConfig, is_uri
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
@@ -166,8 +166,9 @@ def starts_local_instance(cfg: RunConfig) -> bool:
 
 
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
-    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
-    a local instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
+    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
+    pairsim shipped to its workers (:func:`pairsim.jobs.join_cluster`), else start a local
+    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
@@ -180,7 +181,7 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
     if ray.is_initialized():
         return
     if not starts_local_instance(cfg):
-        ray.init(address=cfg.ray.address, log_to_driver=log_to_driver)  # None: Ray reads RAY_ADDRESS
+        jobs.join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
     else:
         cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
         ray.init(num_cpus=cpus, log_to_driver=log_to_driver, runtime_env=LOCAL_RUNTIME_ENV,
@@ -215,6 +216,9 @@ STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial 
 
 
 def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
+    """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
+    ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
+    :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from."""
     started_at = time.time()
     cfg = cfg.with_absolute_paths()
     check_ready(cfg)
@@ -260,15 +264,14 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         dataset_config=DataConfig(datasets_to_split=["train"],
                                   execution_options={"train": ingest.train_execution_options(cfg)}),
     )
-    succeeded = False
     best_path, test_metrics = None, {}
-    try:
-        result = trainer.fit()
-        if trial is None:
-            best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
-        succeeded = True
-    finally:
-        tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
-        ray.kill(ledger)
+    with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_sigterm():
+        try:
+            result = trainer.fit()
+            if trial is None:
+                best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
+            outcome.succeeded = True
+        finally:
+            ray.kill(ledger)
     return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
                        result.checkpoint.path if result.checkpoint else None, best_path, test_metrics)
