@@ -10,6 +10,7 @@ instead of running the teachers in the workers.
 
 import sys
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 from pairsim.cli import main
 
 if __name__ == "__main__":

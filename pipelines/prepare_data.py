@@ -10,6 +10,7 @@ Same options as ``pairsim shards build``; re-running resumes (finished shards ar
 
 import sys
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 from pairsim.cli import main
 
 if __name__ == "__main__":

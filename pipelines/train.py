@@ -5,6 +5,7 @@ Submit to a cluster with ``ray job submit --working-dir . -- python pipelines/tr
 
 import sys
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 from pairsim.cli import main
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ tune_spaces/unified.yaml --set ray.storage_path=/shared/ray_results``.
 
 import sys
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 from pairsim.cli import main
 
 if __name__ == "__main__":

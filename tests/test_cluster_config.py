@@ -1,15 +1,43 @@
+"""``cluster.yaml`` is a Ray autoscaler config: valid against Ray's schema before and after Ray
+fills in its AWS defaults (no cloud call), with GPU training nodes, CPU-only data nodes, and
+pairsim's dependencies installed on the nodes but not pairsim (jobs ship it)."""
+
+import shlex
+import tomllib
 from pathlib import Path
 
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-CLUSTER_YAML = Path(__file__).parents[1] / "cluster.yaml"
+REPO = Path(__file__).parents[1]
+CONFIG = yaml.safe_load((REPO / "cluster.yaml").read_text())
 
 
-def test_cluster_yaml_is_a_valid_ray_cluster_config():
-    config = yaml.safe_load(CLUSTER_YAML.read_text())
-    validate_config(config)
-    prepared = prepare_config(config)
+def test_cluster_yaml_is_a_valid_ray_autoscaler_config():
+    validate_config(CONFIG)
+    prepared = prepare_config(CONFIG)
     validate_config(prepared)
-    assert prepared["provider"]["type"] == "local"
-    assert any("pip install" in c and "pairsim" in c for c in prepared["setup_commands"])
+    assert prepared["provider"]["type"] == "aws"
+    types = prepared["available_node_types"]
+    assert prepared["head_node_type"] in types
+    assert sum(t["max_workers"] for name, t in types.items() if name != prepared["head_node_type"]) \
+        <= prepared["max_workers"]
+
+
+def test_training_nodes_have_gpus_and_data_nodes_none():
+    types = CONFIG["available_node_types"]
+    assert types["gpu_worker"]["resources"]["GPU"] >= 1
+    assert types["data_worker"]["resources"]["GPU"] == 0 and types["data_worker"]["resources"]["CPU"] >= 1
+
+
+def test_nodes_get_pairsims_dependencies_and_not_pairsim():
+    installed = [arg for command in CONFIG["setup_commands"] for arg in shlex.split(command)[3:]]  # pip install -q …
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(installed) == sorted(dependencies)
+    every_command = " ".join(str(c) for key, c in CONFIG.items() if key.endswith("commands"))
+    assert "pairsim" not in every_command
+    assert not CONFIG["file_mounts"]  # nothing synced by hand: jobs bring their working directory
+
+
+def test_the_head_gives_a_stopped_driver_time_to_end_its_run():
+    assert "RAY_JOB_STOP_WAIT_TIME_S=" in " ".join(CONFIG["head_start_ray_commands"])

@@ -10,7 +10,6 @@ instances" in the cleaner's thread, which died, leaking the group."""
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 

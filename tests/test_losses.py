@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import on_gloo_ranks
 from pairsim.config import load_config
-from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Temperature, TripletHN, Unified,
+from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Temperature, TripletHN, Unified,
                             build_objective)
 from pairsim.losses import functional as L
 

@@ -60,7 +60,7 @@ def test_minilm_teacher_embeddings_ignore_padding_and_pickle_light():
 
 
 def test_initial_student_teacher_is_the_students_initialisation(tiny_dataset):
-    from pairsim.models import clip, retrieval
+    from pairsim.models import retrieval
 
     cfg = cusa_config(tiny_dataset)
     teacher = encoders.build_teachers(cfg)["image"]
@@ -74,7 +74,7 @@ def test_open_clip_teacher_from_a_local_file_embeds_as_open_clip_does(tiny_datas
     import open_clip
     from PIL import Image
 
-    from pairsim.models import clip, retrieval
+    from pairsim.models import clip
 
     torch.manual_seed(1)
     path = clip.save_open_clip_weights(clip.create_model(load_config().model).state_dict(), tmp_path / "t.pt")

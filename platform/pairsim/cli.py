@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import signal
 import sys
 from pathlib import Path
 
 from pairsim import log, storage
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
 from pairsim.data.shards import BuildError
+from pairsim.jobs import JobStopped
 from pairsim.registry import DATA_FORMATS
 
 logger = log.get_logger("cli")
@@ -186,9 +188,9 @@ def _shards(args: argparse.Namespace) -> None:
         csv_caption_key=args.csv_caption_key,
         csv_separator=args.csv_separator and codecs.decode(args.csv_separator, "unicode_escape"))
     if args.ray_address:
-        import ray
+        from pairsim import jobs
 
-        ray.init(address=args.ray_address)
+        jobs.join_cluster(args.ray_address)
     manifest = shards.build(cfg)
     print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c['images']:,} images / {c['captions']:,} captions in "
                                            f"{c['shards']} shards" for s, c in sorted(manifest["splits"].items()))
@@ -347,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                       num_test=args.num_test, image_size=args.image_size, seed=args.seed,
                                       rows_per_shard=args.rows_per_shard)
             print(f"wrote {args.out}: " + ", ".join(f"{s} {c['images']} images" for s, c in manifest["splits"].items()))
+    except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
+        print(f"pairsim: {exc}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2

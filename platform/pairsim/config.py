@@ -504,6 +504,10 @@ class RunConfig(_Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def with_absolute_paths(self) -> RunConfig:
+        """This config with its local paths absolute (:func:`absolute_paths`)."""
+        return validate(absolute_paths(self.model_dump(mode="json")), "the config with absolute paths")
+
 
 SPLIT_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"  # a directory name inside the dataset: no '..', no hidden name
 
@@ -596,6 +600,24 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained",
+                   "loss.cusa.image_teacher.path", "loss.cusa.text_teacher.path")
+
+
+def absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with its local paths made absolute against the working directory (a job's is
+    where ``ray job submit --working-dir`` unpacked it), so that workers in any directory find
+    the same files. URIs (``s3://…``) stay as they are, and ``model.pretrained`` is a path only
+    when it names an existing file (else an open_clip tag)."""
+    flat = flatten(tree)
+    for key in LOCAL_PATH_KEYS:
+        value = flat.get(key)
+        if value is None or (key == "model.pretrained" and not Path(value).is_file()):
+            continue
+        set_dotted(tree, key, str(storage.absolute(value)))
+    return tree
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists."""
     errors = []
@@ -671,7 +693,8 @@ def _drop_replaced_params(tree: Any, overlay: Any, model: type[BaseModel]) -> An
 
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}" + (f" (resolved against the working directory: "
+                                                             f"{path.resolve()})" if not path.is_absolute() else ""))
     try:
         loaded = _yaml_load(path.read_text())
     except yaml.YAMLError as exc:

@@ -120,12 +120,10 @@ def storage(cfg: RunConfig) -> list[Finding]:
     if stores.is_uri(cfg.ray.storage_path):
         return [object_storage(cfg.ray.storage_path)]
     path = Path(cfg.ray.storage_path).resolve()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    writable = existing.is_dir() and os.access(existing, os.W_OK)
-    free = shutil.disk_usage(existing).free / 2**30 if existing.is_dir() else 0.0
-    detail = (f"{path}: {free:.1f} GiB free" if writable else
-              f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})")
-    return [Finding("ray.storage_path", detail, blocking=not writable)]
+    if problem := driver.storage_problem(path):
+        return [Finding("ray.storage_path", problem, blocking=True)]
+    free = shutil.disk_usage(driver.nearest_existing(path)).free / 2**30
+    return [Finding("ray.storage_path", f"{path}: {free:.1f} GiB free")]
 
 
 def object_storage(uri: str) -> Finding:

@@ -17,14 +17,16 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlflow.data.dataset import Dataset
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.dataset_source_registry import get_registered_sources
-from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
@@ -223,11 +225,6 @@ def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = 
         for context, split in splits.items()])
 
 
-def close_run(tracking_uri: str | None, run_id: str, succeeded: bool) -> None:
-    MlflowClient(resolve_tracking_uri(tracking_uri)).set_terminated(
-        run_id, RunStatus.to_string(RunStatus.FINISHED if succeeded else RunStatus.FAILED))
-
-
 def open_sweep_run(tracking_uri: str, experiment: str, sweep_name: str, params: dict[str, Any],
                    tags: dict[str, str]) -> tuple[str, bool]:
     """The parent run of sweep ``sweep_name``: found by its tag when the sweep is resumed (and
@@ -267,6 +264,33 @@ def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float) ->
                                    tracking_uri=tracking_uri)
     monitor.start()
     return monitor
+
+
+STOPPED_TAG = "pairsim.stopped_by"  # on a run ended KILLED: what stopped it
+
+
+@dataclass
+class Outcome:
+    """What the block of :func:`ending_run` sets when its work succeeded."""
+
+    succeeded: bool = False
+
+
+@contextmanager
+def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
+    """Ends ``run_id`` when the block exits: FINISHED if it set ``succeeded``; KILLED, tagged
+    ``pairsim.stopped_by``, when a ``KeyboardInterrupt`` stopped it (Ctrl-C, or
+    :class:`pairsim.jobs.JobStopped` on SIGTERM), which propagates; FAILED otherwise."""
+    outcome, status, tags = Outcome(), "FAILED", {}
+    try:
+        yield outcome
+        if outcome.succeeded:
+            status = "FINISHED"
+    except KeyboardInterrupt as exc:
+        status, tags = "KILLED", {STOPPED_TAG: str(exc) or "KeyboardInterrupt"}
+        raise
+    finally:
+        set_run_status(tracking_uri, run_id, status, tags)
 
 
 TRANSIENT_ERROR_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "RESOURCE_EXHAUSTED", "REQUEST_LIMIT_EXCEEDED"}

@@ -27,6 +27,7 @@ import collections
 import hashlib
 import io
 import json
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, replace
@@ -406,6 +407,8 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     """
     import ray
 
+    from pairsim import jobs
+
     try:
         options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
         listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split, **options)
@@ -442,7 +445,9 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     bar = tqdm(total=len(plans), initial=len(plans) - len(pending), desc=f"shards {out.name}", unit="shard",
                disable=not progress)
     if pending:
-        if not ray.is_initialized():
+        if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):  # inside a job: its cluster
+            jobs.join_cluster(None)
+        elif not ray.is_initialized():
             ray.init()
         ray.data.DataContext.get_current().enable_progress_bars = False
         tasks = ray.data.from_items(pending, override_num_blocks=len(pending)).map(

@@ -34,8 +34,8 @@ def check_model_config(cfg: ModelConfig) -> None:
         tags = open_clip.list_pretrained_tags_by_model(cfg.arch)
         if cfg.pretrained not in tags:
             raise ConfigError(
-                f"model.pretrained: {cfg.pretrained!r} is neither a file nor an open_clip tag "
-                f"of {cfg.arch} (tags: {tags or 'none'})"
+                f"model.pretrained: {cfg.pretrained!r} is neither a file (there is none at "
+                f"{os.path.abspath(cfg.pretrained)}) nor an open_clip tag of {cfg.arch} (tags: {tags or 'none'})"
             )
 
 

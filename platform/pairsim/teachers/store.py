@@ -126,7 +126,6 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
             progress: bool = True) -> Path:
     """Embed every image and caption of ``splits`` with the run's teachers (Ray Data batch
     inference on ``concurrency`` actors) and write a :class:`TeacherStore` at ``out``."""
-    import ray
     from tqdm import tqdm
 
     cusa = cfg.loss.cusa

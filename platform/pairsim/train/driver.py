@@ -24,7 +24,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import log, storage, tracking
+from pairsim import jobs, log, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
@@ -122,11 +122,27 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
     return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def storage_problem(path: Path) -> str | None:
+    """Why checkpoints cannot go to the absolute ``path`` (it cannot be created or written), or None."""
+    existing = nearest_existing(path)
+    if existing.is_dir() and os.access(existing, os.W_OK):
+        return None
+    return f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})"
+
+
 MIN_SPLIT_IMAGES = 2  # a query ranks at least one candidate against another
 
 
 def check_ready(cfg: RunConfig) -> None:
-    """Everything that can be checked before the cluster is touched."""
+    """Everything that can be checked before the cluster is touched. Local paths are checked
+    as they are: :func:`fit` makes them absolute against the working directory first."""
+    if not storage.is_uri(cfg.ray.storage_path) and (problem := storage_problem(Path(cfg.ray.storage_path).resolve())):
+        raise ConfigError(f"ray.storage_path: {problem}")
     if cfg.optim.impl == "deepspeed" and starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
@@ -176,8 +192,9 @@ def starts_local_instance(cfg: RunConfig) -> bool:
 
 
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
-    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job), else start
-    a local instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
+    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
+    pairsim shipped to its workers (:func:`pairsim.jobs.join_cluster`), else start a local
+    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
@@ -190,7 +207,7 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
     if ray.is_initialized():
         return
     if not starts_local_instance(cfg):
-        ray.init(address=cfg.ray.address, log_to_driver=log_to_driver)  # None: Ray reads RAY_ADDRESS
+        jobs.join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
     else:
         cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
         ray.init(num_cpus=cpus, log_to_driver=log_to_driver, runtime_env=LOCAL_RUNTIME_ENV,
@@ -225,7 +242,11 @@ STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial 
 
 
 def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
+    """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
+    ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
+    :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from."""
     started_at = time.time()
+    cfg = cfg.with_absolute_paths()
     check_ready(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
     per_epoch = steps_per_epoch(cfg)
@@ -270,15 +291,14 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         dataset_config=DataConfig(datasets_to_split=["train"],
                                   execution_options={"train": ingest.train_execution_options(cfg)}),
     )
-    succeeded = False
     best_path, test_metrics = None, {}
-    try:
-        result = trainer.fit()
-        if trial is None:
-            best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
-        succeeded = True
-    finally:
-        tracking.close_run(cfg.tracking.tracking_uri, run_id, succeeded)
-        ray.kill(ledger)
+    with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_sigterm():
+        try:
+            result = trainer.fit()
+            if trial is None:
+                best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
+            outcome.succeeded = True
+        finally:
+            ray.kill(ledger)
     return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
                        result.checkpoint and checkpoint_uri(result.checkpoint), best_path, test_metrics)

@@ -35,9 +35,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
-from pairsim import storage
-from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, apply_overrides, flatten, layer,
-                            read_yaml, set_dotted, validate)
+from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, absolute_paths, apply_overrides,
+                            flatten, layer, read_yaml, set_dotted, validate)
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 SHIPPED_PREFIX = "pairsim:"
@@ -237,21 +236,6 @@ def _errors_of(tree: dict[str, Any]) -> str | None:
     return None
 
 
-LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained")
-
-
-def _absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
-    """``tree`` with its local paths made absolute against this directory: trials run in other
-    processes (``model.pretrained`` only when it names an existing file, not an open_clip tag;
-    URIs such as ``s3://…`` as they are)."""
-    flat = flatten(tree)
-    for key in LOCAL_PATH_KEYS:
-        value = flat.get(key)
-        if value is not None and (key != "model.pretrained" or Path(value).is_file()):
-            set_dotted(tree, key, str(storage.absolute(value)))
-    return tree
-
-
 def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
     """Why ``key`` is not in the base config: a section the base leaves unset, or what
     validation says of it (a parameter of another loss, an unknown key)."""
@@ -385,7 +369,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         base = validate(tree, f"{path} base")
     except ConfigError as exc:
         raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
-    tree = _absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
+    tree = absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
     base = validate(tree, f"{path} base")
     sweep = Sweep(str(path), tree, base, file.space, file.sweep)
 

@@ -30,7 +30,7 @@ from typing import Any
 import ray
 from ray import tune
 
-from pairsim import log, tracking
+from pairsim import jobs, log, tracking
 from pairsim.config import ConfigError
 from pairsim.train import driver
 from pairsim.tune import results
@@ -254,14 +254,11 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
                                         trial_dirname_creator=TrialName(name)),
             run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
                                       callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))]))
-    succeeded = False
-    try:
+    with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_sigterm():
         grid = tuner.fit()
         children = tracking.child_runs(tracking_uri, parent_run_id)
         rows = results.trial_rows(grid, sweep, children, name)
         best = results.best_row(rows, sweep)
         results.write(rows, best, sweep, exp_dir, tracking_uri, parent_run_id, children)
-        succeeded = best is not None
-    finally:
-        tracking.set_run_status(tracking_uri, parent_run_id, "FINISHED" if succeeded else "FAILED")
+        outcome.succeeded = best is not None
     return SweepResult(name, parent_run_id, tracking_uri, rows, best, exp_dir)

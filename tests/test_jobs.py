@@ -1,0 +1,87 @@
+"""What a run needs as a Ray job, short of a cluster (``test_job_submit.py`` has the cluster):
+SIGTERM unwinds the command, the MLflow run ends KILLED, and local paths in the config resolve
+against the working directory and are refused before Ray starts when they point nowhere."""
+
+import os
+import signal
+from contextlib import nullcontext
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pairsim import cli, tracking
+from pairsim.config import ConfigError, load_config
+from pairsim.jobs import JobStopped, stop_on_sigterm
+from pairsim.train import driver
+
+
+def test_sigterm_raises_job_stopped_inside_the_block_only():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(JobStopped, match="stopped by SIGTERM"), stop_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # the handler runs before this returns
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_keyboard_interrupt_ray_raises_for_a_sigterm_leaves_as_job_stopped():
+    with pytest.raises(JobStopped, match="stopped by SIGTERM") as stopped, stop_on_sigterm():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        except JobStopped:
+            raise KeyboardInterrupt from None  # what ray.get raises when the handler raised in its signal check
+    assert type(stopped.value.__cause__) is KeyboardInterrupt
+
+
+def test_a_command_stopped_by_sigterm_exits_143(monkeypatch, capsys):
+    def stopped(*args):
+        raise JobStopped("stopped by SIGTERM")
+
+    monkeypatch.setattr(cli, "_demo", stopped)
+    assert cli.main(["demo"]) == 128 + signal.SIGTERM
+    assert "pairsim: stopped by SIGTERM" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("outcome, status", [("succeeds", "FINISHED"), ("fails", "FAILED"), ("stopped", "KILLED")])
+def test_ending_run_sets_the_status_of_how_the_block_ended(tmp_path, outcome, status):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    raised = {"fails": RuntimeError("boom"), "stopped": JobStopped("stopped by SIGTERM")}.get(outcome)
+    with pytest.raises(type(raised)) if raised else nullcontext(), tracking.ending_run(uri, run_id) as result:
+        if raised:
+            raise raised
+        result.succeeded = True
+    run = client.get_run(run_id)
+    assert run.info.status == status
+    assert run.data.tags.get(tracking.STOPPED_TAG) == ("stopped by SIGTERM" if outcome == "stopped" else None)
+
+
+def test_local_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights.pt").write_bytes(b"")
+    cfg = load_config(None, ["data.path=shapes", "ray.storage_path=s3://bucket/runs", "model.pretrained=weights.pt"]
+                      ).with_absolute_paths()
+    assert cfg.data.path == tmp_path / "shapes"
+    assert cfg.model.pretrained == str(tmp_path / "weights.pt")
+    assert load_config(None, ["model.pretrained=openai"]).with_absolute_paths().model.pretrained == "openai"  # a tag
+    assert load_config().with_absolute_paths().ray.storage_path == tmp_path / "ray_results"  # the default too
+
+
+def test_paths_that_point_nowhere_are_refused_naming_the_key_and_where_they_resolved(tmp_path, monkeypatch,
+                                                                                     tiny_dataset):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=f"config file not found: run.yaml .*: {tmp_path / 'run.yaml'}"):
+        load_config("run.yaml")
+    refusals = {
+        "data.path=nowhere": f"data.path: no dataset at {tmp_path / 'nowhere'}",
+        "ray.storage_path=afile/runs": f"ray.storage_path: {tmp_path / 'afile/runs'}: cannot be created or written "
+                                       f"\\({tmp_path / 'afile'} is a file\\)",
+        "model.pretrained=w/model.pt": f"model.pretrained: 'w/model.pt' is neither a file \\(there is none at "
+                                       f"{tmp_path / 'w/model.pt'}\\)",
+    }
+    for override, message in refusals.items():
+        cfg = load_config(None, [f"data.path={tiny_dataset}", override]).with_absolute_paths()
+        with pytest.raises(ConfigError, match=message):
+            driver.check_ready(cfg)
