@@ -487,3 +487,23 @@ def test_image_paths_cannot_leave_the_images_root(fmt, tmp_path):
     if fmt == "csv":  # a root that holds the files: absolute paths and the link are fine
         (root / "abs.csv").write_text(f"filepath\ttitle\n{tmp_path / 'secret.png'}\tx\n{root}/imgs/link.png\tx\n")
         assert len(sources.list_csv(root / "abs.csv", tmp_path, "train").records) == 2
+
+
+def test_a_truncated_or_foreign_shard_is_named_before_training(tmp_path):
+    """The pre-launch check reads every shard's footer: a cut shard, or one holding other rows,
+    fails there, naming the file, instead of deep inside a worker."""
+    from pairsim.config import load_config
+    from pairsim.data import synth
+    from pairsim.train import driver
+
+    synth.generate(tmp_path / "d", num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
+    cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
+    driver.check_ready(cfg)
+    train = sorted((tmp_path / "d" / "train").glob("*.parquet"))
+    whole = train[1].read_bytes()
+    train[1].write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match=rf"data.path: {train[1]}: not a readable Parquet shard"):
+        driver.check_ready(cfg)
+    train[1].write_bytes(next((tmp_path / "d" / "val").glob("*.parquet")).read_bytes())  # 8 rows where 10 were
+    with pytest.raises(ConfigError, match=r"data.path: .*/train: the shards hold 38 images, the manifest lists 40"):
+        driver.check_ready(cfg)

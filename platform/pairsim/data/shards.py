@@ -171,6 +171,28 @@ def split_shards(root: LocationLike, split: str) -> list[Location]:
     return files
 
 
+class ShardError(OSError):
+    """A shard that is not what the manifest says: unreadable, or holding other rows."""
+
+
+def verify_split(root: LocationLike, split: str) -> int:
+    """Read every shard's Parquet footer and check that together they hold the images the
+    manifest lists: a truncated or foreign shard is named here, before training, not 55 s into
+    it inside a worker. Returns the split's images."""
+    expected = read_manifest(root)["splits"].get(split, {}).get("images")
+    rows = 0
+    for shard in split_shards(root, split):
+        try:
+            with shard.fs.open_input_file(shard.path) as f:
+                rows += pq.read_metadata(f).num_rows
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise ShardError(f"{shard}: not a readable Parquet shard ({exc}); rebuild the {split} split") from None
+    if rows != expected:
+        raise ShardError(f"{Location.of(root)}/{split}: the shards hold {rows} images, the manifest lists {expected}; "
+                         f"rebuild the {split} split")
+    return rows
+
+
 def split_files(root: LocationLike, split: str) -> list[str]:
     """:func:`split_shards` as local paths or URIs, for readers that open them themselves."""
     return [str(shard) for shard in split_shards(root, split)]

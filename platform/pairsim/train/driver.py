@@ -151,9 +151,8 @@ def check_ready(cfg: RunConfig) -> None:
     for split in (cfg.data.train_split, cfg.data.val_split):
         key = cfg.data.split_key(split)
         try:
-            shards.split_files(cfg.data.split_path(split), split)
-            images = shards.read_manifest(cfg.data.split_path(split))["splits"][split]["images"]
-        except OSError as exc:  # missing, or an object store that cannot be reached
+            images = shards.verify_split(cfg.data.split_path(split), split)
+        except OSError as exc:  # missing or corrupt, or an object store that cannot be reached
             raise ConfigError(f"{key}: {exc}") from None
         if images < MIN_SPLIT_IMAGES:
             raise ConfigError(f"{key}: the {split} split of {cfg.data.split_path(split)} has {images} images; "
