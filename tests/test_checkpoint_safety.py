@@ -2,15 +2,17 @@
 (DeepSpeed's own state classes allowed) before DeepSpeed's loader, which unpickles freely."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import on_gloo_ranks
+from pairsim import storage
 from pairsim.cli import main
 from pairsim.config import load_config
-from pairsim.train import engine
+from pairsim.train import checkpoints, engine
 
 
 class Exploit:
@@ -25,29 +27,29 @@ class Exploit:
 
 def crafted_checkpoint(root: Path, marker: Path) -> Path:
     """A directory shaped like a pairsim ZeRO-0 checkpoint whose model states are an exploit."""
-    ds_dir = root / "checkpoint_000000" / engine.CHECKPOINT_TAG
+    ds_dir = root / "checkpoint_000000" / checkpoints.CHECKPOINT_TAG
     ds_dir.mkdir(parents=True)
     torch.save({"module": {"model.clip.w": torch.zeros(2)}, "hook": Exploit(marker)}, ds_dir / "mp_rank_00_model_states.pt")
-    (ds_dir.parent / engine.CARD_FILE).write_text(json.dumps({"zero_stage": 0, "model": {}}))
+    (ds_dir.parent / checkpoints.CARD_FILE).write_text(json.dumps({"zero_stage": 0, "model": {}}))
     return ds_dir.parent
 
 
 def test_a_crafted_checkpoint_is_refused_and_nothing_runs(tmp_path, capsys):
     marker = tmp_path / "pwned"
     checkpoint = crafted_checkpoint(tmp_path, marker)
-    with pytest.raises(engine.UnsafeCheckpointError, match="mp_rank_00_model_states.pt: refused to load"):
-        engine.export_checkpoint(checkpoint, tmp_path / "out" / "model.pt")
+    with pytest.raises(checkpoints.UnsafeCheckpointError, match="mp_rank_00_model_states.pt: refused to load"):
+        checkpoints.export_checkpoint(checkpoint, tmp_path / "out" / "model.pt")
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out" / "model.pt")]) == 1
     assert "refused to load" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out" / "model.pt").exists()
-    torch.load(checkpoint / engine.CHECKPOINT_TAG / "mp_rank_00_model_states.pt", weights_only=False)
+    torch.load(checkpoint / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt", weights_only=False)
     assert marker.exists()  # the file is the exploit it claims: an unchecked load runs it
 
 
 def test_a_file_that_is_no_torch_zip_is_refused(tmp_path):
     (tmp_path / "x.pt").write_bytes(b"\x80\x04K\x01.")  # a bare pickle, not torch.save's zip format
-    with pytest.raises(engine.UnsafeCheckpointError, match="x.pt: refused"):
-        engine.verify_checkpoint_files(tmp_path)
+    with pytest.raises(checkpoints.UnsafeCheckpointError, match="x.pt: refused"):
+        checkpoints.verify_checkpoint_files(tmp_path)
 
 
 def _save_and_reload(rank, world, directory):
@@ -66,10 +68,10 @@ def _save_and_reload(rank, world, directory):
             ds.backward(ds(torch.ones(2, 4, dtype=engine.DTYPES[precision])).float().square().sum())
             ds.step()
             ckpt_dir = Path(directory, f"{stage}-{precision}")
-            ds.save_checkpoint(ckpt_dir, tag=engine.CHECKPOINT_TAG)
-            engine.verify_checkpoint_files(ckpt_dir)
-            ds.load_checkpoint(ckpt_dir, tag=engine.CHECKPOINT_TAG)
-            written[stage, precision] = sorted(p.name for p in (ckpt_dir / engine.CHECKPOINT_TAG).glob("*.pt"))
+            ds.save_checkpoint(ckpt_dir, tag=checkpoints.CHECKPOINT_TAG)
+            checkpoints.verify_checkpoint_files(ckpt_dir)
+            ds.load_checkpoint(ckpt_dir, tag=checkpoints.CHECKPOINT_TAG)
+            written[stage, precision] = sorted(p.name for p in (ckpt_dir / checkpoints.CHECKPOINT_TAG).glob("*.pt"))
     return written
 
 
@@ -78,3 +80,57 @@ def test_every_checkpoint_deepspeed_writes_passes(tmp_path):
     written = on_gloo_ranks(_save_and_reload, str(tmp_path), world=1)[0]
     assert len(written) == 8 and all(any("model_states" in f for f in files) for files in written.values())
     assert any("optim_states" in f for f in written[3, "bf16"])
+
+
+# ------------------------------------------------------------------ checksums, verify, list
+
+def fake_run(root: Path, epochs: int = 2, world: int = 2) -> Path:
+    """A run directory with one checkpoint per epoch as pairsim writes them: each rank's files
+    and checksums (rank 0 with the card), merged into one directory."""
+    run = root / "run"
+    for epoch in range(1, epochs + 1):
+        ckpt = run / f"checkpoint_2026-01-0{epoch}_00-00-00.000000"
+        for rank in range(world):
+            part = root / f"rank{rank}-{epoch}"
+            (part / checkpoints.CHECKPOINT_TAG).mkdir(parents=True)
+            torch.save({"w": torch.full((4,), float(epoch))}, part / checkpoints.CHECKPOINT_TAG / f"zero_pp_rank_{rank}.pt")
+            if rank == 0:
+                (part / checkpoints.CARD_FILE).write_text(json.dumps({"epoch": epoch, "step": 10 * epoch,
+                                                                        "val": {"val/rsum": 100.0 + epoch}}))
+            checkpoints.write_checksums(part, rank, world)
+            shutil.copytree(part, ckpt, dirs_exist_ok=True)
+    return run
+
+
+def test_checksums_catch_a_changed_missing_or_partial_checkpoint(tmp_path):
+    run = fake_run(tmp_path)
+    newest, oldest = checkpoints.checkpoints_in(storage.Location.of(run))
+    assert newest.name.startswith("checkpoint_2026-01-02") and oldest.name.startswith("checkpoint_2026-01-01")
+    assert checkpoints.verify_checkpoint(newest.path) == []
+    model = Path(newest.path) / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_1.pt"
+    data = bytearray(model.read_bytes())
+    data[-100] ^= 0xFF
+    model.write_bytes(bytes(data))
+    assert checkpoints.verify_checkpoint(newest.path) == [
+        f"{checkpoints.CHECKPOINT_TAG}/zero_pp_rank_1.pt: content differs from its checksum (truncated or altered)"]
+    (Path(oldest.path) / checkpoints.CHECKSUMS_DIR / "rank_1.json").unlink()
+    assert checkpoints.verify_checkpoint(oldest.path) == ["1 of 2 ranks' checksum files"]
+    (Path(oldest.path) / checkpoints.CARD_FILE).unlink()
+    assert "not a complete pairsim checkpoint" in checkpoints.verify_checkpoint(oldest.path)[0]
+
+
+def test_checkpoints_cli_lists_and_verifies(tmp_path, capsys):
+    run = fake_run(tmp_path)
+    assert main(["checkpoints", "verify", str(run)]) == 0
+    assert "every checkpoint verified" in capsys.readouterr().out
+    assert main(["checkpoints", "list", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0][:21] for line in lines] == ["checkpoint_2026-01-02", "checkpoint_2026-01-01"]
+    assert "epoch 2  step 20  rsum 102.00  ok" in lines[0]
+    newest = sorted(run.iterdir())[-1]
+    (newest / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")
+    assert main(["checkpoints", "verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert "zero_pp_rank_0.pt: content differs" in out and "1 of the checkpoints failed" in out
+    assert main(["checkpoints", "verify", str(sorted(run.iterdir())[0])]) == 0  # one checkpoint by its path
+    assert main(["checkpoints", "list", str(tmp_path / "nothing")]) == 1

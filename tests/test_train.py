@@ -15,7 +15,7 @@ from ray.train.torch import TorchTrainer
 
 from conftest import step_images
 from pairsim.models import clip, retrieval
-from pairsim.train import driver, engine
+from pairsim.train import checkpoints, driver, engine
 from pairsim.cli import DEMO_CONFIG, main, objective_config
 from pairsim.config import RunConfig, load_config
 from pairsim.losses import build_objective
@@ -184,12 +184,12 @@ def engine_embeddings(config):
 
     cfg = RunConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
-    card = engine.checkpoint_card(config["checkpoint"])
+    card = checkpoints.checkpoint_card(config["checkpoint"])
     model = retrieval.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
     module = engine.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
     ds_engine, *_ = deepspeed.initialize(model=module, model_parameters=engine.parameter_groups(module, 0.1),
                                          config=engine.deepspeed_config(cfg.train, cfg.optim, 10))
-    ds_engine.load_checkpoint(config["checkpoint"], tag=engine.CHECKPOINT_TAG)
+    ds_engine.load_checkpoint(config["checkpoint"], tag=checkpoints.CHECKPOINT_TAG)
     ds_engine.eval()
     dtype = engine.DTYPES[cfg.train.precision]
     with torch.no_grad():
@@ -210,7 +210,7 @@ def fixed_inputs(cfg):
 def assert_export_gives_the_checkpoints_embeddings(cfg, checkpoint, tmp_path, atol, dtype=torch.float32):
     """The exported weights, cast to the engine's ``dtype``, are the engine's, and the exported
     model embeds as the engine does (up to ``atol``: the engine computes in ``dtype``)."""
-    written = engine.export_checkpoint(checkpoint, tmp_path / "model.pt")
+    written = checkpoints.export_checkpoint(checkpoint, tmp_path / "model.pt")
     model, card = retrieval.load_exported(written[0])
     pixels, tokens = fixed_inputs(cfg)
     reference = TorchTrainer(
@@ -256,7 +256,7 @@ def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_datas
     checkpoint on val gives the val metrics the engine computed in training, and on test the
     run's own test metrics; both are logged into the run the checkpoint belongs to."""
     _, resumed, client = zero2_runs
-    card = engine.checkpoint_card(resumed.best_checkpoint_path)
+    card = checkpoints.checkpoint_card(resumed.best_checkpoint_path)
     args = ["evaluate", "--checkpoint", resumed.best_checkpoint_path, "--data", str(tiny_dataset),
             "--tracking-uri", resumed.tracking_uri, "--set", "eval.batch_size=64"]
     assert main(args + ["--split", "val"]) == 0
@@ -336,3 +336,27 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
     assert set(run.data.tags["pairsim.skipped_metrics"].split(",")) >= {"t2t", "grid"}
     assert {"val/i2t_R1", "val/t2i_R1", "test/rsum"} <= run.data.metrics.keys()
     assert not any(k.startswith(("val/t2t", "val/grid", "test/t2t")) for k in run.data.metrics)
+
+
+def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_good_one(ray_instance, tiny_dataset, tmp_path, capfd):
+    """Two epochs, then the newest checkpoint's model states are altered on disk: the re-run
+    reports it, resumes from epoch 1's checkpoint, and `pairsim checkpoints verify` fails on it."""
+    def config(epochs):
+        return load_config(DEMO_CONFIG, overrides(tiny_dataset, tmp_path, "ray.run_name=corrupt", f"train.epochs={epochs}"))
+
+    first = driver.fit(config(2))
+    run_dir = Path(first.checkpoint_path).parent
+    newest = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())[-1]
+    assert Path(first.checkpoint_path) == newest
+    states = newest / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states.write_bytes(bytes(data))
+    assert main(["checkpoints", "verify", str(run_dir)]) == 1
+
+    resumed = driver.fit(config(3))
+    assert resumed.metrics["step"] == 3 * STEPS_PER_EPOCH and resumed.mlflow_run_id == first.mlflow_run_id
+    out = capfd.readouterr()
+    assert f"checkpoint {newest} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
+           "differs from its checksum" in out.out + out.err
+    assert "resumed from checkpoint: epoch 2" in out.out + out.err

@@ -91,11 +91,11 @@ class SweepFailed(RuntimeError):
 def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> list[Path]:
     """``--checkpoint`` consolidated, or ``--run-id``'s exported model, written to ``out``."""
     from pairsim import tracking
-    from pairsim.train import engine
+    from pairsim.train import checkpoints
 
     if args.checkpoint:
         with storage.Location.of(args.checkpoint).local_copy() as checkpoint:
-            return engine.export_checkpoint(checkpoint, out)
+            return checkpoints.export_checkpoint(checkpoint, out)
     return tracking.download_run_model(args.run_id, tracking_uri, out)
 
 
@@ -142,6 +142,22 @@ def _export(args: argparse.Namespace) -> None:
     if args.register:
         version = tracking.register_model(args.out, args.register, tracking_uri, args.run_id)
         print(f"registered as {args.register} version {version} in {storage.masked(tracking_uri)}")
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    from pairsim.train import checkpoints
+
+    failed = 0
+    for checkpoint, card, problems in checkpoints.inventory(args.path):
+        val = card.get("val", {})
+        metric = next((f"{k.removeprefix('val/')} {v:.2f}" for k, v in val.items() if k == "val/rsum"), "")
+        state = "ok" if not problems else "NOT VERIFIED: " + "; ".join(problems)
+        failed += bool(problems)
+        if args.checkpoints_command == "list" or problems:
+            print(f"{checkpoint.name}  epoch {card.get('epoch', '?')}  step {card.get('step', '?')}  {metric}  {state}")
+    if args.checkpoints_command == "verify":
+        print(f"{failed} of the checkpoints failed verification" if failed else "every checkpoint verified")
+    return 1 if failed and args.checkpoints_command == "verify" else 0
 
 
 def _ensure_demo_data(path: Path, **sizes: int) -> None:
@@ -293,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
                                                              "it under NAME in MLflow's model registry")
 
+    ckpts = sub.add_parser("checkpoints", help="a run's checkpoints: list them, or verify files and checksums "
+                                               "(exit 1 when one fails)").add_subparsers(dest="checkpoints_command",
+                                                                                         required=True)
+    for name, help_text in (("list", "epoch, step, val metric and state of each checkpoint, newest first"),
+                            ("verify", "every file there, matching its checksum, loadable without running code")):
+        ckpts.add_parser(name, help=help_text).add_argument(
+            "path", help="a run directory (<ray.storage_path>/<run name>) or one checkpoint_* in it (path or URI)")
+
     doctor = sub.add_parser("doctor", help="what this machine and cluster give a run, and whether the config's "
                                            "choices (GPUs, precision, optimizer, storage) can run; exit 1 if not")
     doctor.add_argument("--config", type=Path, action="append", help="YAML run config (default: the built-in "
@@ -332,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             _evaluate(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "checkpoints":
+            return _checkpoints(args)
         elif args.command == "doctor":
             from pairsim import doctor
 
@@ -366,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 def _reported_errors() -> tuple[type[Exception], ...]:
     """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
     as the engine's pulls in torch."""
-    from pairsim.train.engine import UnsafeCheckpointError
+    from pairsim.train.checkpoints import UnsafeCheckpointError
 
     return BuildError, FileNotFoundError, SweepFailed, UnsafeCheckpointError
 

@@ -31,7 +31,7 @@ from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
-from pairsim.train import engine
+from pairsim.train import checkpoints, engine
 from pairsim.train.local_ray import LOCAL_RUNTIME_ENV
 from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
 
@@ -80,8 +80,8 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: 
     best_uri = checkpoint_uri(best)
     with tracking.RunLogger(tracking_uri, run_id) as run:  # closing it sends the buffered metrics
         with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
-            card = engine.checkpoint_card(checkpoint)
-            written = engine.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
+            card = checkpoints.checkpoint_card(checkpoint)
+            written = checkpoints.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
             for path in written:
                 run.log_artifact(path, tracking.MODEL_ARTIFACTS)
             run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best_uri,

@@ -1,27 +1,20 @@
-"""The DeepSpeed engine a training worker runs, and its checkpoints.
+"""The DeepSpeed engine a training worker runs.
 
 :func:`create_engine` builds the retrieval model and objective as one module
-(:class:`TrainingModule`) and hands it to DeepSpeed with the config :func:`deepspeed_config`
-derives from the run config. A pairsim checkpoint is a Ray Train checkpoint directory holding
-a DeepSpeed checkpoint (tag ``deepspeed``, files from every rank, :func:`save_checkpoint`) and
-the model card (``pairsim_model.json``, written by rank 0) that rebuilds the model;
-:func:`export_checkpoint` consolidates it — ZeRO-1/2/3 partitions merged into fp32 weights with
-DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights), ``model.heads.pt`` and
-``model.json``.
+(:class:`TrainingModule`), locks towers and turns on gradient checkpointing as configured, and
+hands it to DeepSpeed with the config :func:`deepspeed_config` derives from the run config
+(``train.deepspeed`` merged over, checked by DeepSpeed's parser: :func:`check_deepspeed_config`).
+Its checkpoints are :mod:`pairsim.train.checkpoints`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import pickle
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import ray.train
 import torch
 
 from pairsim import dist, log
@@ -30,9 +23,6 @@ from pairsim.losses import Objective, build_objective, temperatures
 from pairsim.models import clip, retrieval
 from pairsim.models.retrieval import RetrievalModel
 
-CHECKPOINT_TAG = "deepspeed"
-CARD_FILE = "pairsim_model.json"
-MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
 logger = log.get_logger("train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -207,99 +197,3 @@ def clamp_temperatures(engine) -> None:
             if master is not None:
                 master.clamp_(low, high)
         temperature.clamp_()  # the module's copy (at ZeRO-0 fp32 the master itself)
-
-
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds more than tensors and DeepSpeed's states: loading it could run code."""
-
-
-def _deepspeed_globals() -> list[type]:
-    """The classes DeepSpeed pickles into its checkpoints besides tensors and plain containers."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
-def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
-    """``torch.load(path, weights_only=True)`` that also accepts DeepSpeed's own state classes:
-    a file that would run code when unpickled is refused (:class:`UnsafeCheckpointError`),
-    naming it, with nothing executed."""
-    try:
-        with torch.serialization.safe_globals(_deepspeed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except (pickle.UnpicklingError, RuntimeError) as exc:  # RuntimeError: not torch's zip format
-        reason = str(exc).strip().splitlines()[0]
-        raise UnsafeCheckpointError(f"{path}: refused to load, it is not only tensors and DeepSpeed states "
-                                    f"({reason}); nothing in it was run") from None
-
-
-def verify_checkpoint_files(ckpt_dir: str | Path) -> None:
-    """Open every ``.pt`` file of a checkpoint with :func:`load_checkpoint_file` (memory-mapped,
-    so tensors are not read) before DeepSpeed's loader, which unpickles with
-    ``weights_only=False``, touches any."""
-    for path in sorted(Path(ckpt_dir).rglob("*.pt")):
-        load_checkpoint_file(path, mmap=True)
-
-
-def restore(engine) -> tuple[int, int]:
-    """(first epoch to run, global step) from Ray Train's latest checkpoint, or (0, 0)."""
-    checkpoint = ray.train.get_checkpoint()
-    if not checkpoint:
-        return 0, 0
-    with checkpoint.as_directory() as ckpt_dir:
-        verify_checkpoint_files(ckpt_dir)
-        _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
-        dist.barrier()
-    if engine.global_steps != client_state["global_step"]:
-        raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, "
-                           f"pairsim step {client_state['global_step']}")
-    return client_state["epoch"] + 1, client_state["global_step"]
-
-
-def save_checkpoint(engine, epoch: int, step: int, card: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
-    """Save the engine on every rank (rank 0 adds the model ``card``) and report the merged
-    checkpoint with ``metrics`` to Ray Train, which keeps it."""
-    with tempfile.TemporaryDirectory() as ckpt_dir:
-        engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
-        if card is not None:
-            (Path(ckpt_dir) / CARD_FILE).write_text(json.dumps(card, indent=2))
-        dist.barrier()
-        ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
-                         checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
-
-
-def checkpoint_card(checkpoint: str | Path) -> dict:
-    card_file = Path(checkpoint) / CARD_FILE
-    if not card_file.is_file():
-        raise FileNotFoundError(f"{checkpoint}: not a pairsim checkpoint (no {CARD_FILE})")
-    return json.loads(card_file.read_text())
-
-
-def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a checkpoint's RetrievalModel (the objective's temperatures left out).
-
-    With ZeRO (stage ≥ 1) they come from the optimizer's fp32 partitions of every rank, merged
-    by DeepSpeed's ``zero_to_fp32`` (the only complete copy under ZeRO-3, and the unrounded
-    one under bf16); without, from the engine's module states.
-    """
-    ds_dir = Path(checkpoint) / CHECKPOINT_TAG
-    if not ds_dir.is_dir():
-        raise FileNotFoundError(f"{checkpoint}: no DeepSpeed checkpoint ({CHECKPOINT_TAG}/)")
-    verify_checkpoint_files(ds_dir)
-    if checkpoint_card(checkpoint)["zero_stage"] >= 1:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
-    else:
-        state = load_checkpoint_file(ds_dir / "mp_rank_00_model_states.pt")["module"]
-    return {k[len(MODEL_PREFIX):]: v.float() for k, v in state.items() if k.startswith(MODEL_PREFIX)}
-
-
-def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
-    """Consolidate ``checkpoint`` and write ``out`` (open_clip weights) with its side files."""
-    card = checkpoint_card(checkpoint)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return retrieval.write_exported(card, checkpoint_state_dict(checkpoint), out)

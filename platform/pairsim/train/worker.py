@@ -25,7 +25,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers.encoders import MODALITIES, Teacher
 from pairsim.teachers.store import teacher_sources
 from pairsim.tracking import RunLogger
-from pairsim.train import accumulation
+from pairsim.train import accumulation, checkpoints
 from pairsim.train import engine as engines
 
 logger = log.get_logger("train")
@@ -166,7 +166,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     engine = engines.create_engine(cfg, job.deepspeed_config)
     dtype = engines.DTYPES[cfg.train.precision]
     live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
-    start_epoch, step = engines.restore(engine)
+    start_epoch, step = checkpoints.restore(engine)
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
@@ -221,6 +221,6 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
                 f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
             card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
                                         epoch=epoch + 1, step=step, val=metrics)
-        engines.save_checkpoint(engine, epoch, step, card, metrics)
+        checkpoints.save_checkpoint(engine, epoch, step, card, metrics)
     if run:
         run.close()

@@ -1,0 +1,229 @@
+"""pairsim checkpoints: save, verify, resume, export.
+
+A checkpoint is a Ray Train checkpoint directory holding a DeepSpeed checkpoint (tag
+``deepspeed``, files from every rank, :func:`save_checkpoint`), the model card
+(``pairsim_model.json``, written by rank 0) that rebuilds the model, and one checksum file per
+rank (``pairsim_checksums/rank_N.json``: SHA-256 of every file that rank wrote).
+
+Loading never runs code from a checkpoint: every ``.pt`` file is opened with
+``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own loader, which
+unpickles freely. :func:`verify_checkpoint` checks files, checksums and that every rank's part
+is there; on resume the newest checkpoint that passes is used and newer ones that fail are
+reported and skipped (:func:`restore`); ``pairsim checkpoints list|verify`` shows the same.
+:func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
+weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
+``model.heads.pt`` and ``model.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs
+import ray.train
+import torch
+
+from pairsim import dist, log, storage
+from pairsim.models import retrieval
+
+logger = log.get_logger("train")
+CHECKPOINT_TAG = "deepspeed"
+CARD_FILE = "pairsim_model.json"
+CHECKSUMS_DIR = "pairsim_checksums"
+MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds more than tensors and DeepSpeed's states: loading it could run code."""
+
+
+def _deepspeed_globals() -> list[type]:
+    """The classes DeepSpeed pickles into its checkpoints besides tensors and plain containers."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` that also accepts DeepSpeed's own state classes:
+    a file that would run code when unpickled is refused (:class:`UnsafeCheckpointError`),
+    naming it, with nothing executed."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError) as exc:  # RuntimeError: not torch's zip format
+        reason = str(exc).strip().splitlines()[0]
+        raise UnsafeCheckpointError(f"{path}: refused to load, it is not only tensors and DeepSpeed states "
+                                    f"({reason}); nothing in it was run") from None
+
+
+def verify_checkpoint_files(ckpt_dir: str | Path) -> None:
+    """Open every ``.pt`` file of a checkpoint with :func:`load_checkpoint_file` (memory-mapped,
+    so tensors are not read) before DeepSpeed's loader, which unpickles with
+    ``weights_only=False``, touches any."""
+    for path in sorted(Path(ckpt_dir).rglob("*.pt")):
+        load_checkpoint_file(path, mmap=True)
+
+
+def write_checksums(ckpt_dir: str | Path, rank: int, world_size: int) -> None:
+    """``pairsim_checksums/rank_<rank>.json``: the SHA-256 of every file this rank wrote into
+    ``ckpt_dir`` (Ray Train merges the ranks' directories into one checkpoint)."""
+    root = Path(ckpt_dir)
+    files = {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*"))
+             if p.is_file() and CHECKSUMS_DIR not in p.relative_to(root).parts}
+    (root / CHECKSUMS_DIR).mkdir(exist_ok=True)
+    (root / CHECKSUMS_DIR / f"rank_{rank}.json").write_text(json.dumps({"world_size": world_size, "files": files}))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
+    """What is wrong with a checkpoint directory ([] when nothing): no model card, a rank's
+    checksum file missing, a file missing or not matching its checksum, or a ``.pt`` file that
+    is not only tensors and DeepSpeed states."""
+    root = Path(ckpt_dir)
+    if not (root / CARD_FILE).is_file():
+        return [f"no {CARD_FILE}: not a complete pairsim checkpoint"]
+    sums = sorted((root / CHECKSUMS_DIR).glob("rank_*.json"))
+    if not sums:
+        return [f"no {CHECKSUMS_DIR}/: written before pairsim kept checksums, cannot be verified"]
+    problems = []
+    world = json.loads(sums[0].read_text())["world_size"]
+    if len(sums) != world:
+        problems.append(f"{len(sums)} of {world} ranks' checksum files")
+    for sum_file in sums:
+        for name, expected in json.loads(sum_file.read_text())["files"].items():
+            path = root / name
+            if not path.is_file():
+                problems.append(f"{name}: missing")
+            elif _sha256(path) != expected:
+                problems.append(f"{name}: content differs from its checksum (truncated or altered)")
+    if not problems:
+        try:
+            verify_checkpoint_files(root)
+        except UnsafeCheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def checkpoints_in(run: storage.Location) -> list[storage.Location]:
+    """The checkpoints of a run directory, newest first (Ray Train names them ``checkpoint_<time>``)."""
+    infos = run.fs.get_file_info(pyarrow.fs.FileSelector(run.path))
+    return [run / name for name in sorted((i.base_name for i in infos if i.type == pyarrow.fs.FileType.Directory
+                                           and i.base_name.startswith("checkpoint_")), reverse=True)]
+
+
+def run_checkpoints(checkpoint: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
+    """``checkpoint`` and the other checkpoints of its run beside it, newest first."""
+    run = storage.Location.on(checkpoint.filesystem, checkpoint.path).parent
+    return [ray.train.Checkpoint(c.path, filesystem=checkpoint.filesystem) for c in checkpoints_in(run)]
+
+
+def inventory(path: str | Path) -> list[tuple[storage.Location, dict[str, Any], list[str]]]:
+    """(checkpoint, its card or {}, :func:`verify_checkpoint`'s problems) for ``path`` — a
+    checkpoint, or a run directory's every checkpoint, newest first (``pairsim checkpoints``)."""
+    location = storage.Location.of(path)
+    found = [location] if (location / CARD_FILE).is_file() or (location / CHECKPOINT_TAG).info().type == \
+        pyarrow.fs.FileType.Directory else checkpoints_in(location)
+    if not found:
+        raise FileNotFoundError(f"{location}: neither a checkpoint nor a run directory holding checkpoint_* directories")
+    out = []
+    for checkpoint in found:
+        with checkpoint.local_copy() as local:
+            card = json.loads((local / CARD_FILE).read_text()) if (local / CARD_FILE).is_file() else {}
+            out.append((checkpoint, card, verify_checkpoint(local)))
+    return out
+
+
+def restore(engine) -> tuple[int, int]:
+    """(first epoch to run, global step) from the newest of the run's checkpoints that passes
+    :func:`verify_checkpoint` (rank 0 checks, every rank loads its choice; newer ones that fail
+    are reported and skipped), or (0, 0) when there is none."""
+    latest = ray.train.get_checkpoint()
+    if not latest:
+        return 0, 0
+    candidates = run_checkpoints(latest)
+    choice = [None]
+    if dist.rank() == 0:
+        for index, candidate in enumerate(candidates):
+            with candidate.as_directory() as ckpt_dir:
+                problems = verify_checkpoint(ckpt_dir)
+            if not problems or problems[0].startswith(f"no {CHECKSUMS_DIR}/"):  # older: trusted as before
+                choice = [index]
+                break
+            logger.warning("checkpoint %s is skipped: %s", candidate.path, "; ".join(problems))
+    if dist.world_size() > 1:
+        torch.distributed.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        raise RuntimeError(f"no checkpoint of {Path(latest.path).parent} passes verification (each is listed "
+                           "above); move the run directory aside to start over")
+    with candidates[choice[0]].as_directory() as ckpt_dir:
+        verify_checkpoint_files(ckpt_dir)
+        _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
+        dist.barrier()
+    if engine.global_steps != client_state["global_step"]:
+        raise RuntimeError(f"checkpoint is inconsistent: DeepSpeed step {engine.global_steps}, "
+                           f"pairsim step {client_state['global_step']}")
+    return client_state["epoch"] + 1, client_state["global_step"]
+
+
+def save_checkpoint(engine, epoch: int, step: int, card: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+    """Save the engine on every rank (rank 0 adds the model ``card``), each rank's checksums
+    beside its files, and report the merged checkpoint with ``metrics`` to Ray Train, which
+    keeps it."""
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
+        if card is not None:
+            (Path(ckpt_dir) / CARD_FILE).write_text(json.dumps(card, indent=2))
+        write_checksums(ckpt_dir, dist.rank(), dist.world_size())
+        dist.barrier()
+        ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
+                         checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
+
+
+def checkpoint_card(checkpoint: str | Path) -> dict:
+    card_file = Path(checkpoint) / CARD_FILE
+    if not card_file.is_file():
+        raise FileNotFoundError(f"{checkpoint}: not a pairsim checkpoint (no {CARD_FILE})")
+    return json.loads(card_file.read_text())
+
+
+def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The fp32 weights of a checkpoint's RetrievalModel (the objective's temperatures left out).
+
+    With ZeRO (stage ≥ 1) they come from the optimizer's fp32 partitions of every rank, merged
+    by DeepSpeed's ``zero_to_fp32`` (the only complete copy under ZeRO-3, and the unrounded
+    one under bf16); without, from the engine's module states.
+    """
+    ds_dir = Path(checkpoint) / CHECKPOINT_TAG
+    if not ds_dir.is_dir():
+        raise FileNotFoundError(f"{checkpoint}: no DeepSpeed checkpoint ({CHECKPOINT_TAG}/)")
+    verify_checkpoint_files(ds_dir)
+    if checkpoint_card(checkpoint)["zero_stage"] >= 1:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
+    else:
+        state = load_checkpoint_file(ds_dir / "mp_rank_00_model_states.pt")["module"]
+    return {k[len(MODEL_PREFIX):]: v.float() for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
+    """Consolidate ``checkpoint`` and write ``out`` (open_clip weights) with its side files."""
+    card = checkpoint_card(checkpoint)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return retrieval.write_exported(card, checkpoint_state_dict(checkpoint), out)
