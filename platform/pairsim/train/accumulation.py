@@ -61,6 +61,8 @@ def train_step(engine, micro_batches: list[MicroBatch], cache_features: bool = T
         engine.backward(out["loss"])
         engine.step()
         outputs.append({k: v.detach() for k, v in out.items()})
+    if len(outputs) == 1:  # no accumulation: the step as it always was
+        return outputs[0]
     return {k: torch.stack([out[k] for out in outputs]).mean(0) for k in outputs[0]}
 
 
