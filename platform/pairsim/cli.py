@@ -1,5 +1,5 @@
 """``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect``,
-``evaluate``, ``export``, ``doctor``, ``registry``, ``data synth``."""
+``evaluate``, ``export``, ``checkpoints list|verify``, ``doctor``, ``registry``, ``data synth``."""
 
 from __future__ import annotations
 
