@@ -120,9 +120,9 @@ def storage(cfg: RunConfig) -> list[Finding]:
     if stores.is_uri(cfg.ray.storage_path):
         return [object_storage(cfg.ray.storage_path)]
     path = Path(cfg.ray.storage_path).resolve()
-    if problem := driver.storage_problem(path):
+    if problem := stores.local_storage_problem(path):
         return [Finding("ray.storage_path", problem, blocking=True)]
-    free = shutil.disk_usage(driver.nearest_existing(path)).free / 2**30
+    free = shutil.disk_usage(stores.nearest_existing(path)).free / 2**30
     return [Finding("ray.storage_path", f"{path}: {free:.1f} GiB free")]
 
 

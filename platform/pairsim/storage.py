@@ -12,6 +12,7 @@ resolved from the environment, so Ray tasks and workers reach the same store.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import tempfile
 import urllib.parse
@@ -64,6 +65,19 @@ def has_credentials(uri: str) -> bool:
     """Whether ``uri`` carries user info (``user:password@``) or secret-looking query parameters."""
     parts = urllib.parse.urlsplit(uri)
     return "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query))
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists."""
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def local_storage_problem(path: Path) -> str | None:
+    """Why checkpoints cannot go to the absolute ``path`` (it cannot be created or written), or None."""
+    existing = nearest_existing(path)
+    if existing.is_dir() and os.access(existing, os.W_OK):
+        return None
+    return f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})"
 
 
 def parse(value: str | Path) -> str | Path:

@@ -122,26 +122,13 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
     return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
 
 
-def nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest ancestor that exists."""
-    return next(p for p in (path, *path.parents) if p.exists())
-
-
-def storage_problem(path: Path) -> str | None:
-    """Why checkpoints cannot go to the absolute ``path`` (it cannot be created or written), or None."""
-    existing = nearest_existing(path)
-    if existing.is_dir() and os.access(existing, os.W_OK):
-        return None
-    return f"{path}: cannot be created or written ({existing} is {'a file' if existing.is_file() else 'read-only'})"
-
-
 MIN_SPLIT_IMAGES = 2  # a query ranks at least one candidate against another
 
 
 def check_ready(cfg: RunConfig) -> None:
     """Everything that can be checked before the cluster is touched. Local paths are checked
     as they are: :func:`fit` makes them absolute against the working directory first."""
-    if not storage.is_uri(cfg.ray.storage_path) and (problem := storage_problem(Path(cfg.ray.storage_path).resolve())):
+    if not storage.is_uri(cfg.ray.storage_path) and (problem := storage.local_storage_problem(Path(cfg.ray.storage_path).resolve())):
         raise ConfigError(f"ray.storage_path: {problem}")
     if cfg.optim.impl == "deepspeed" and starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
