@@ -127,14 +127,14 @@ def ray_instance(s3_env):
     import ray
 
     from pairsim.train.driver import IDLE_WORKERS_KEPT
-    from pairsim.train.local_ray import LOCAL_RUNTIME_ENV
+    from pairsim.train.local_ray import start_local_instance
 
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported
-    # and their State API on this instance, not on another test's (LOCAL_RUNTIME_ENV)
+    # and their State API on this instance, not on another test's; on loopback, as pairsim's are
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))  # the caller's too
-    ray.init(num_cpus=4, runtime_env=LOCAL_RUNTIME_ENV | {"env_vars": s3_env | {"PYTHONPATH": path}},
-             _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
+    start_local_instance(num_cpus=4, runtime_env={"env_vars": s3_env | {"PYTHONPATH": path}},
+                         _system_config={"num_workers_soft_limit": 4 + IDLE_WORKERS_KEPT})
     yield ray
     ray.shutdown()
 

@@ -7,6 +7,8 @@ the controller is alive; in a worker that API finds its cluster from ``RAY_ADDRE
 scanning the machine's GCS processes, and with two of them it raised "Found multiple active Ray
 instances" in the cleaner's thread, which died, leaking the group."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -91,3 +93,39 @@ def test_the_setup_hook_leaves_torch_the_threads_ray_gives_a_task(ray_instance):
         return torch.get_num_threads(), os.environ.get("RAY_ADDRESS")
 
     assert ray.get(threads.remote()) == (1, ray.get_runtime_context().gcs_address)
+
+
+LISTENERS = textwrap.dedent("""
+    import json, sys
+    import psutil, ray
+    from pairsim.config import load_config
+    from pairsim.train.driver import init_ray
+
+    init_ray(load_config(None, ["train.num_workers=1", "ray.data_cpus=1", *sys.argv[1:]]))
+    assert ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]) == [1, 1]  # worker processes up
+    ray.data.range(4).map(lambda row: row).take_all()
+    listening = set()
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:  # the instance it started
+        try:
+            listening |= {(c.laddr.ip, c.laddr.port, proc.name()) for c in proc.net_connections("inet")
+                          if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            pass
+    print(json.dumps(sorted(listening)))
+""")
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+
+@pytest.mark.parametrize("all_interfaces", [False, True])
+def test_a_local_instance_listens_on_loopback_unless_asked(tmp_path, all_interfaces):
+    """Every listening socket of the processes a local instance starts (GCS, raylet, dashboard
+    and its agents with their metrics exporters, workers): on loopback; on every interface with
+    ``ray.listen_on_all_interfaces``, as Ray does by default."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-c", LISTENERS, f"ray.listen_on_all_interfaces={all_interfaces}"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    listening = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {name for _, _, name in listening} >= {"gcs_server", "raylet"} and len(listening) >= 6, listening
+    exposed = [entry for entry in listening if entry[0] not in LOOPBACK]
+    assert bool(exposed) == all_interfaces, exposed

@@ -42,7 +42,7 @@ def objective_config(name: str) -> Path:
 def _print_run(run_id: str, tracking_uri: str) -> None:
     print(f"\nMLflow run {run_id} in {storage.masked(tracking_uri)}")
     if tracking_uri.startswith("sqlite:///"):
-        print(f"look at it with:  mlflow ui --backend-store-uri {storage.masked(tracking_uri)}")
+        print(f"look at it with:  mlflow ui --host 127.0.0.1 --backend-store-uri {storage.masked(tracking_uri)}")
 
 
 def _train(cfg: RunConfig) -> None:

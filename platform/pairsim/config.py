@@ -476,6 +476,9 @@ class RayConfig(_Section):
         description="Ray Train run name; re-running with the same name resumes it",
     )
     max_failures: Int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
+    listen_on_all_interfaces: bool = Field(
+        False, description="a local instance's dashboard, metrics and gRPC ports on every interface (Ray's "
+                           "default: reachable from other machines) instead of 127.0.0.1 only")
 
 
 class RunConfig(_Section):

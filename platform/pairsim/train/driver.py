@@ -32,7 +32,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import checkpoints, engine
-from pairsim.train.local_ray import LOCAL_RUNTIME_ENV
+from pairsim.train.local_ray import start_local_instance
 from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
 
 logger = log.get_logger("train")
@@ -180,7 +180,8 @@ def starts_local_instance(cfg: RunConfig) -> bool:
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
     """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
     pairsim shipped to its workers (:func:`pairsim.jobs.join_cluster`), else start a local
-    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
+    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each, listening on 127.0.0.1
+    unless ``ray.listen_on_all_interfaces`` (:func:`pairsim.train.local_ray.start_local_instance`).
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
@@ -196,8 +197,8 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
         jobs.join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
     else:
         cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
-        ray.init(num_cpus=cpus, log_to_driver=log_to_driver, runtime_env=LOCAL_RUNTIME_ENV,
-                 _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
+        start_local_instance(cfg.ray.listen_on_all_interfaces, num_cpus=cpus, log_to_driver=log_to_driver,
+                             _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
 def check_cpu_budget(cfg: RunConfig) -> None:
