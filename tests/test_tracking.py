@@ -83,6 +83,29 @@ def test_metrics_are_queued_and_all_there_in_order_after_a_flush(store):
     assert len(client.get_metric_history(run_id, "val/i2t_R1")) == 50
 
 
+@pytest.mark.parametrize("continues_run", [True, False])
+def test_an_attempt_that_continues_a_run_logs_no_step_twice(store, continues_run):
+    """A lost attempt logged train/loss to step 6 and val at step 4; the attempt resumed from
+    step 3's checkpoint logs steps 4–8 and val at 4 and 8: each step once, the first attempt's
+    points kept (without ``continues_run`` steps 4–6 and val's 4 are there twice)."""
+    client, run_id = new_run(store)
+    with tracking.RunLogger(store, run_id, close_timeout=30) as lost:
+        for step in range(1, 7):
+            lost.log_metrics({"train/loss": 1.0}, step)
+        lost.log_metrics({"val/i2t_R@1": 10.0}, 4)
+    with tracking.RunLogger(store, run_id, close_timeout=30, continues_run=continues_run) as resumed:
+        assert resumed.logged_before("val/i2t_R@1", 4) == continues_run and not resumed.logged_before("val/i2t_R@1", 8)
+        for step in range(4, 9):
+            resumed.log_metrics({"train/loss": 2.0} | ({"val/i2t_R@1": 20.0} if step in (4, 8) else {}), step)
+    loss = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/loss"))
+    val = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "val/i2t_R1"))
+    if continues_run:
+        assert loss == [(s, 1.0) for s in range(1, 7)] + [(7, 2.0), (8, 2.0)]
+        assert val == [(4, 10.0), (8, 20.0)]
+    else:
+        assert len(loss) == 11 and len(val) == 3
+
+
 def test_a_failed_metric_write_raises_at_the_flush(store):
     client, run_id = new_run(store)
     run = tracking.RunLogger(store, run_id)

@@ -306,6 +306,13 @@ def is_transient(exc: Exception) -> bool:
     return isinstance(exc, MlflowException) and exc.error_code in TRANSIENT_ERROR_CODES
 
 
+def last_logged_steps(client: MlflowClient, run_id: str) -> dict[str, int]:
+    """The last step each metric of ``run_id`` is logged at (MLflow's system metrics left out:
+    their monitor goes on from its own last step)."""
+    keys = [k for k in client.get_run(run_id).data.metrics if not k.startswith("system/")]
+    return {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in keys}
+
+
 class RunLogger:
     """What rank 0 (and the driver) use to write into the job's run.
 
@@ -322,6 +329,11 @@ class RunLogger:
     training, and MLflow's own HTTP retries are cut to one short attempt (this process only),
     so an outage costs seconds, not minutes per call. With ``system_metrics_interval_s`` > 0
     it runs :func:`system_metrics_monitor` until :meth:`close` (a ``with`` block closes it).
+
+    With ``continues_run`` (a training attempt: the run may hold an earlier attempt's curves) a
+    metric is not sent at a step the run already has it at: an attempt resumed from a checkpoint
+    retrains the steps the lost attempt had logged after it, and MLflow would otherwise hold
+    those steps twice (the first attempt's points are kept; :func:`last_logged_steps`).
     """
 
     MAX_BUFFERED = 200_000
@@ -329,11 +341,16 @@ class RunLogger:
     RETRY_S = (1, 2, 5, 10, 30)  # waits between attempts while the server is away
 
     def __init__(self, tracking_uri: str, run_id: str, system_metrics_interval_s: float = 0.0,
-                 tolerate_outage: bool = False, spill_dir: str | Path | None = None, close_timeout: float = 120.0):
+                 tolerate_outage: bool = False, spill_dir: str | Path | None = None, close_timeout: float = 120.0,
+                 continues_run: bool = False):
         if tolerate_outage:
             for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
                 os.environ.setdefault(name, value)
         self.client, self.run_id, self.tolerate_outage = MlflowClient(tracking_uri), run_id, tolerate_outage
+        self._logged_through: dict[str, int] = {}
+        if continues_run:
+            self._call("the steps already logged (a resumed attempt may log some again)",
+                       lambda: self._logged_through.update(last_logged_steps(self.client, run_id)))
         self.close_timeout = close_timeout
         self.spill_file = Path(spill_dir or tempfile.gettempdir()) / f"pairsim-unsent-{run_id}.jsonl"
         self._buffer: collections.deque[Metric] = collections.deque()
@@ -349,11 +366,17 @@ class RunLogger:
 
     # ------------------------------------------------------------------ metrics
 
+    def logged_before(self, key: str, step: int) -> bool:
+        """Whether the run had metric ``key`` at ``step`` (or later) when this logger started
+        (always False without ``continues_run``)."""
+        return step <= self._logged_through.get(metric_key(key), -1)
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._raise_refused()
         now = int(time.time() * 1000)
         with self._lock:
-            self._buffer.extend(Metric(metric_key(k), float(v), now, step) for k, v in metrics.items())
+            self._buffer.extend(Metric(metric_key(k), float(v), now, step) for k, v in metrics.items()
+                                if not self.logged_before(k, step))
             if len(self._buffer) > self.MAX_BUFFERED:
                 self._spill([self._buffer.popleft() for _ in range(len(self._buffer) // 2)])
             self._drained.clear()

@@ -150,10 +150,12 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
         run.log_dict(skipped, "data/skipped_images.json")
         logger.warning("skipped %d unreadable images so far, e.g. %s; all are listed in the run's "
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
+    pictured = run.logged_before(selection_metric(cfg), step)  # by an attempt lost after its validation
     run.log_metrics(metrics, step)
     similarity.log_similarities(run, embeddings, step, epoch)
-    log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split),
-                 "val", step, title=f"val, epoch {epoch}")
+    if not pictured:
+        log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split),
+                     "val", step, title=f"val, epoch {epoch}")
     return metrics
 
 
@@ -170,8 +172,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
-    run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s, tolerate_outage=True)
-           if rank == 0 else None)
+    run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s, tolerate_outage=True,
+                     continues_run=True) if rank == 0 else None)
     ledger = ray.get_actor(job.ledger)
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
