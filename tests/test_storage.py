@@ -61,6 +61,20 @@ def test_uris_are_checked_and_masked_and_local_paths_made_absolute(tmp_path, mon
         BuildConfig.from_args(format="csv", input=tmp_path, out="s3://k:hunter2@bucket/x")
 
 
+def test_an_endpoint_with_credentials_in_a_uri_query_is_refused_and_masked(capsys):
+    from pairsim import cli
+
+    uri = "s3://bucket/ray?endpoint_override=http://ukey:hunter2@127.0.0.1:9000&scheme=http"
+    shown = "s3://bucket/ray?endpoint_override=http://ukey:***@127.0.0.1:9000&scheme=http"
+    assert storage.masked(uri) == shown
+    assert storage.masked("s3://b/x?endpoint_override=hunter2@host:9000") == "s3://b/x?endpoint_override=***@host:9000"
+    assert storage.check_uri("s3://b/x?endpoint_override=127.0.0.1:9000&scheme=http")  # no credentials: taken
+    assert cli.main(["doctor", "--set", f"ray.storage_path={uri}"]) == 2
+    out, err = capsys.readouterr()
+    assert f"ray.storage_path: {shown}: credentials do not belong in the URI" in err
+    assert "hunter2" not in out + err
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_location_writes_reads_lists_and_copies_locally(where, tmp_path, request):
     root = Location.of(tmp_path / "root" if where == "local" else request.getfixturevalue("bucket") + "/root")

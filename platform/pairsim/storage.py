@@ -34,18 +34,31 @@ def is_uri(value: str | Path) -> bool:
 
 
 def masked(uri: str) -> str:
-    """``uri`` with a password in its user info and the values of secret-looking query
-    parameters replaced by ``***``, for messages; ``uri`` itself when it carries none."""
+    """``uri`` with a password in its user info (``user:***@``, ``***@`` for a lone token), the
+    values of secret-looking query parameters and the user info of endpoints in query values
+    (``endpoint_override=http://user:***@host``) replaced by ``***``, for messages; ``uri`` itself
+    when it carries none."""
     if not has_credentials(uri):
         return uri
     parts = urllib.parse.urlsplit(uri)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
-    query = "&".join(f"{k}={'***' if _SECRET_PARAM.search(k) else v}"
+    query = "&".join(f"{k}={'***' if _SECRET_PARAM.search(k) else _masked_endpoint(v)}"
                      for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+    return urllib.parse.urlunsplit(parts._replace(netloc=_masked_user_info(parts.netloc), query=query))
+
+
+def _masked_user_info(authority: str) -> str:
+    """``user:***@host`` for ``user:password@host``, ``***@host`` for ``token@host``."""
+    if "@" not in authority:
+        return authority
+    user, host = authority.rsplit("@", 1)
+    return f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
+
+
+def _masked_endpoint(value: str) -> str:
+    """A query value with the user info of the endpoint it may name (``[scheme://]user:password@host``) masked."""
+    scheme, sep, rest = value.rpartition("://")
+    authority, slash, tail = rest.partition("/")
+    return scheme + sep + _masked_user_info(authority) + slash + tail
 
 
 def check_uri(uri: str) -> str:
@@ -62,9 +75,11 @@ def check_uri(uri: str) -> str:
 
 
 def has_credentials(uri: str) -> bool:
-    """Whether ``uri`` carries user info (``user:password@``) or secret-looking query parameters."""
+    """Whether ``uri`` carries user info (``user:password@``), secret-looking query parameters or
+    an endpoint with user info in a query value (``endpoint_override=user:password@host``)."""
     parts = urllib.parse.urlsplit(uri)
-    return "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query))
+    return "@" in parts.netloc or any(_SECRET_PARAM.search(k) or "@" in v
+                                      for k, v in urllib.parse.parse_qsl(parts.query))
 
 
 def nearest_existing(path: Path) -> Path:
