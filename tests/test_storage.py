@@ -75,6 +75,23 @@ def test_an_endpoint_with_credentials_in_a_uri_query_is_refused_and_masked(capsy
     assert "hunter2" not in out + err
 
 
+@pytest.mark.parametrize("variable", storage.ENDPOINT_VARS)
+def test_an_s3_endpoint_with_credentials_in_the_environment_is_refused_and_masked(bucket, variable, monkeypatch,
+                                                                                  capsys):
+    from pairsim import cli
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"].replace("://", f"://{KEY_ID}:endpoint-secret-7d1e@")
+    monkeypatch.setenv(variable, endpoint)
+    shown = endpoint.replace("endpoint-secret-7d1e", "***")
+    with pytest.raises(ValueError) as err:
+        Location.of(f"{bucket}/data")
+    assert str(err.value).startswith(f"{variable}={shown}: credentials do not belong in the endpoint")
+    assert cli.main(["doctor", "--set", f"ray.storage_path={bucket}/ray"]) == 2
+    out, err = capsys.readouterr()
+    assert f"ray.storage_path: {variable}={shown}: credentials do not belong in the endpoint" in err
+    assert "endpoint-secret-7d1e" not in out + err
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_location_writes_reads_lists_and_copies_locally(where, tmp_path, request):
     root = Location.of(tmp_path / "root" if where == "local" else request.getfixturevalue("bucket") + "/root")

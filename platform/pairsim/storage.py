@@ -4,7 +4,8 @@
 URIs are opened with :meth:`pyarrow.fs.FileSystem.from_uri`, so S3 reads its endpoint and
 credentials from the usual environment (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``). Credentials written
-into a URI are refused (:func:`check_uri`): they would end up in configs, MLflow params and logs.
+into a URI or the endpoint are refused (:func:`check_uri`): they would end up in configs, MLflow
+params and logs (and pyarrow's S3 takes none from an endpoint).
 A :class:`Location` pickles with its filesystem's endpoint and options but not with credentials
 resolved from the environment, so Ray tasks and workers reach the same store.
 """
@@ -26,6 +27,7 @@ import pyarrow.fs as pafs
 SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")  # pyarrow.fs's own filesystems
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SECRET_PARAM = re.compile(r"secret|token|password|passwd|credential|signature|key", re.IGNORECASE)
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # where pyarrow's S3 finds its endpoint
 _FS_SCHEME = {"s3": "s3", "gcs": "gs", "hdfs": "hdfs", "abfs": "abfs"}  # pyarrow type_name -> URI scheme
 
 
@@ -62,8 +64,9 @@ def _masked_endpoint(value: str) -> str:
 
 
 def check_uri(uri: str) -> str:
-    """``uri`` when its scheme is one pyarrow.fs opens and it carries no credentials; else
-    ValueError naming the problem (with the URI masked)."""
+    """``uri`` when its scheme is one pyarrow.fs opens and neither it nor, for ``s3://``, the
+    endpoint the environment names carries credentials; else ValueError naming the problem
+    (with the URI or endpoint masked)."""
     scheme = _URI.match(uri).group(1).lower()
     if scheme not in SCHEMES:
         raise ValueError(f"{masked(uri)}: unsupported scheme {scheme!r} (a local path or one of "
@@ -71,6 +74,10 @@ def check_uri(uri: str) -> str:
     if has_credentials(uri):
         raise ValueError(f"{masked(uri)}: credentials do not belong in the URI; set them in the environment "
                          "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, …)")
+    for name in ENDPOINT_VARS if scheme == "s3" else ():
+        if has_credentials(endpoint := os.environ.get(name, "")):
+            raise ValueError(f"{name}={masked(endpoint)}: credentials do not belong in the endpoint; set them in "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     return uri
 
 
