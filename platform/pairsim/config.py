@@ -455,11 +455,17 @@ class TrackingConfig(_Section):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, uri: str | None) -> str | None:
-        if uri and storage.has_credentials(uri):
-            raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
-                             "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
-                             "MLFLOW_TRACKING_TOKEN")
-        return uri
+        return uri and check_tracking_uri(uri)
+
+
+def check_tracking_uri(uri: str) -> str:
+    """``uri`` when it carries no credentials; else ValueError (with the URI masked) naming
+    where they go instead: a tracking URI is logged, stored and printed."""
+    if storage.has_credentials(uri):
+        raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
+                         "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                         "MLFLOW_TRACKING_TOKEN")
+    return uri
 
 
 class RayConfig(_Section):
