@@ -483,6 +483,14 @@ class RayConfig(_Section):
     )
     max_failures: Int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
 
+    @field_validator("address")
+    @classmethod
+    def _no_credentials(cls, address: str | None) -> str | None:
+        if address and storage.has_credentials(address):
+            raise ValueError(f"{storage.masked(address)}: credentials do not belong in the address (it is logged, "
+                             "stored and printed); Ray takes a token from RAY_AUTH_TOKEN, with RAY_AUTH_MODE=token")
+        return address
+
 
 class RunConfig(_Section):
     """Everything one training job needs."""
