@@ -137,6 +137,38 @@ def test_sweeps_keep_uris_as_written_and_refuse_object_storage_for_their_state(t
         run_sweep(sweep, "s")
 
 
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def test_a_run_on_data_in_a_bucket_logs_no_secret_of_the_environment(bucket, tiny_dataset, tmp_path, monkeypatch,
+                                                                     capfd):
+    """Params, tags, config.yaml, the DeepSpeed config, dataset inputs and the console of a run
+    opened on S3 data hold none of the secrets the environment gives S3 and MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from pairsim import log, tracking
+    from pairsim.train import engine
+
+    log.setup()  # pairsim's log lines on the console, as the command line has them
+    markers = {name: f"{name.lower()}-marker-{uuid.uuid4().hex[:8]}" for name in SECRET_VARIABLES}
+    for name, marker in markers.items():
+        monkeypatch.setenv(name, marker)
+    data = Location.of(f"{bucket}/shapes")
+    pafs.copy_files(str(tiny_dataset), data.path, destination_filesystem=data.fs)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(None, [f"data.path={data}", f"tracking.tracking_uri={uri}"])
+    run_id = tracking.open_run(cfg, "secrets", cfg.to_yaml(), engine.deepspeed_config(cfg.train, cfg.optim, 10))
+    tracking.log_datasets(uri, run_id, cfg.data)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    datasets = [i.dataset for i in run.inputs.dataset_inputs]
+    assert {json.loads(d.source)["uri"] for d in datasets} == {str(data)}  # the data was read from the bucket
+    logged = [json.dumps([run.data.params, run.data.tags]), *(repr(d) for d in datasets), *capfd.readouterr()]
+    logged += [Path(client.download_artifacts(run_id, name, str(tmp_path))).read_text()
+               for name in ("config.yaml", "deepspeed_config.json")]
+    assert not [(name, text) for text in logged for name, marker in markers.items() if marker in text]
+
+
 # --------------------------------------------------------------------------- shards
 
 def _folder_source(src: Path, images: int) -> Path:
