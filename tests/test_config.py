@@ -121,6 +121,15 @@ def test_cusa_without_a_teacher_is_rejected_with_its_remedy():
     assert load_config(None, ["loss.cusa={teacher_features: /data/teacher}"]).loss.cusa.image_teacher is None
 
 
+def test_credentials_in_the_ray_address_are_refused_and_masked():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["ray.address=ray://alice:ray-secret-3b7f@head:10001"])
+    message = str(err.value)
+    assert "ray.address: Value error, ray://alice:***@head:10001: credentials do not belong in the address" in message
+    assert "ray-secret-3b7f" not in message
+    assert load_config(None, ["ray.address=ray://head:10001"]).ray.address == "ray://head:10001"
+
+
 def test_config_files_layer_left_to_right(tmp_path):
     base = write(tmp_path, {"loss": {"margin": 0.1, "gamma": 30}, "train": {"epochs": 2}})
     overlay = tmp_path / "overlay.yaml"

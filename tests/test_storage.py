@@ -61,6 +61,37 @@ def test_uris_are_checked_and_masked_and_local_paths_made_absolute(tmp_path, mon
         BuildConfig.from_args(format="csv", input=tmp_path, out="s3://k:hunter2@bucket/x")
 
 
+def test_an_endpoint_with_credentials_in_a_uri_query_is_refused_and_masked(capsys):
+    from pairsim import cli
+
+    uri = "s3://bucket/ray?endpoint_override=http://ukey:hunter2@127.0.0.1:9000&scheme=http"
+    shown = "s3://bucket/ray?endpoint_override=http://ukey:***@127.0.0.1:9000&scheme=http"
+    assert storage.masked(uri) == shown
+    assert storage.masked("s3://b/x?endpoint_override=hunter2@host:9000") == "s3://b/x?endpoint_override=***@host:9000"
+    assert storage.check_uri("s3://b/x?endpoint_override=127.0.0.1:9000&scheme=http")  # no credentials: taken
+    assert cli.main(["doctor", "--set", f"ray.storage_path={uri}"]) == 2
+    out, err = capsys.readouterr()
+    assert f"ray.storage_path: {shown}: credentials do not belong in the URI" in err
+    assert "hunter2" not in out + err
+
+
+@pytest.mark.parametrize("variable", storage.ENDPOINT_VARS)
+def test_an_s3_endpoint_with_credentials_in_the_environment_is_refused_and_masked(bucket, variable, monkeypatch,
+                                                                                  capsys):
+    from pairsim import cli
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"].replace("://", f"://{KEY_ID}:endpoint-secret-7d1e@")
+    monkeypatch.setenv(variable, endpoint)
+    shown = endpoint.replace("endpoint-secret-7d1e", "***")
+    with pytest.raises(ValueError) as err:
+        Location.of(f"{bucket}/data")
+    assert str(err.value).startswith(f"{variable}={shown}: credentials do not belong in the endpoint")
+    assert cli.main(["doctor", "--set", f"ray.storage_path={bucket}/ray"]) == 2
+    out, err = capsys.readouterr()
+    assert f"ray.storage_path: {variable}={shown}: credentials do not belong in the endpoint" in err
+    assert "endpoint-secret-7d1e" not in out + err
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_a_location_writes_reads_lists_and_copies_locally(where, tmp_path, request):
     root = Location.of(tmp_path / "root" if where == "local" else request.getfixturevalue("bucket") + "/root")
@@ -104,6 +135,38 @@ def test_sweeps_keep_uris_as_written_and_refuse_object_storage_for_their_state(t
     sweep = load_sweep(DEMO_SWEEP, ["ray.storage_path=s3://bucket/runs"])
     with pytest.raises(ConfigError, match="ray.storage_path: a sweep keeps its state .* not s3://bucket/runs"):
         run_sweep(sweep, "s")
+
+
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def test_a_run_on_data_in_a_bucket_logs_no_secret_of_the_environment(bucket, tiny_dataset, tmp_path, monkeypatch,
+                                                                     capfd):
+    """Params, tags, config.yaml, the DeepSpeed config, dataset inputs and the console of a run
+    opened on S3 data hold none of the secrets the environment gives S3 and MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from pairsim import log, tracking
+    from pairsim.train import engine
+
+    log.setup()  # pairsim's log lines on the console, as the command line has them
+    markers = {name: f"{name.lower()}-marker-{uuid.uuid4().hex[:8]}" for name in SECRET_VARIABLES}
+    for name, marker in markers.items():
+        monkeypatch.setenv(name, marker)
+    data = Location.of(f"{bucket}/shapes")
+    pafs.copy_files(str(tiny_dataset), data.path, destination_filesystem=data.fs)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(None, [f"data.path={data}", f"tracking.tracking_uri={uri}"])
+    run_id = tracking.open_run(cfg, "secrets", cfg.to_yaml(), engine.deepspeed_config(cfg.train, cfg.optim, 10))
+    tracking.log_datasets(uri, run_id, cfg.data)
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    datasets = [i.dataset for i in run.inputs.dataset_inputs]
+    assert {json.loads(d.source)["uri"] for d in datasets} == {str(data)}  # the data was read from the bucket
+    logged = [json.dumps([run.data.params, run.data.tags]), *(repr(d) for d in datasets), *capfd.readouterr()]
+    logged += [Path(client.download_artifacts(run_id, name, str(tmp_path))).read_text()
+               for name in ("config.yaml", "deepspeed_config.json")]
+    assert not [(name, text) for text in logged for name, marker in markers.items() if marker in text]
 
 
 # --------------------------------------------------------------------------- shards

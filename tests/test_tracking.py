@@ -142,6 +142,31 @@ def test_credentials_in_a_tracking_uri_are_refused_and_masked(monkeypatch):
     assert storage.masked("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"  # nothing to hide: as written
 
 
+def test_credentials_in_a_tracking_uri_from_the_environment_or_command_line_are_refused_and_masked(
+        tmp_path, monkeypatch, capfd):
+    from conftest import unused_port
+    from pairsim import cli
+    from pairsim.config import ConfigError
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # should MLflow be asked, it answers at once
+    uri = f"http://alice:uri-token-91c4@127.0.0.1:{unused_port()}"  # nothing listens
+    shown = uri.replace("uri-token-91c4", "***")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    with pytest.raises(ConfigError) as err:
+        tracking.resolve_tracking_uri(None)
+    assert str(err.value).startswith(f"MLFLOW_TRACKING_URI: {shown}: credentials do not belong in the URI")
+    assert "MLFLOW_TRACKING_PASSWORD" in str(err.value)
+    export = ["export", "--run-id", "0" * 32, "--out", str(tmp_path / "model.pt")]
+    assert cli.main(export) == 2
+    console = "".join(capfd.readouterr())
+    assert f"config error: MLFLOW_TRACKING_URI: {shown}: credentials" in console and "uri-token-91c4" not in console
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    with pytest.raises(SystemExit):
+        cli.main([*export, "--tracking-uri", uri])
+    console = "".join(capfd.readouterr())
+    assert f"argument --tracking-uri: {shown}: credentials" in console and "uri-token-91c4" not in console
+
+
 def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path):
     import socket
     import time

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pairsim import log, storage
-from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, load_config
+from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
 from pairsim.data.shards import BuildError
 from pairsim.jobs import JobStopped
 from pairsim.registry import DATA_FORMATS
@@ -26,6 +26,14 @@ def location_arg(value: str) -> str | Path:
     """An argument that is a local path or an object-store URI (:func:`pairsim.storage.parse`)."""
     try:
         return storage.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def tracking_uri_arg(value: str) -> str:
+    """``--tracking-uri``: refused with credentials in it (:func:`pairsim.config.check_tracking_uri`)."""
+    try:
+        return check_tracking_uri(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -251,7 +259,8 @@ def _add_model_source(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoint", type=location_arg,
                         help="a pairsim (Ray Train + DeepSpeed) checkpoint directory (a path or a URI, s3://…)")
     source.add_argument("--run-id", help="an MLflow training run: its exported best model")
-    parser.add_argument("--tracking-uri", help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    parser.add_argument("--tracking-uri", type=tracking_uri_arg,
+                        help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
 
 def build_parser() -> argparse.ArgumentParser:

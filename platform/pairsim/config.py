@@ -455,11 +455,17 @@ class TrackingConfig(_Section):
     @field_validator("tracking_uri")
     @classmethod
     def _no_credentials(cls, uri: str | None) -> str | None:
-        if uri and storage.has_credentials(uri):
-            raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
-                             "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
-                             "MLFLOW_TRACKING_TOKEN")
-        return uri
+        return uri and check_tracking_uri(uri)
+
+
+def check_tracking_uri(uri: str) -> str:
+    """``uri`` when it carries no credentials; else ValueError (with the URI masked) naming
+    where they go instead: a tracking URI is logged, stored and printed."""
+    if storage.has_credentials(uri):
+        raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
+                         "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                         "MLFLOW_TRACKING_TOKEN")
+    return uri
 
 
 class RayConfig(_Section):
@@ -479,6 +485,14 @@ class RayConfig(_Section):
     listen_on_all_interfaces: bool = Field(
         False, description="a local instance's dashboard, metrics and gRPC ports on every interface (Ray's "
                            "default: reachable from other machines) instead of 127.0.0.1 only")
+
+    @field_validator("address")
+    @classmethod
+    def _no_credentials(cls, address: str | None) -> str | None:
+        if address and storage.has_credentials(address):
+            raise ValueError(f"{storage.masked(address)}: credentials do not belong in the address (it is logged, "
+                             "stored and printed); Ray takes a token from RAY_AUTH_TOKEN, with RAY_AUTH_MODE=token")
+        return address
 
 
 class RunConfig(_Section):

@@ -4,7 +4,8 @@
 URIs are opened with :meth:`pyarrow.fs.FileSystem.from_uri`, so S3 reads its endpoint and
 credentials from the usual environment (``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``). Credentials written
-into a URI are refused (:func:`check_uri`): they would end up in configs, MLflow params and logs.
+into a URI or the endpoint are refused (:func:`check_uri`): they would end up in configs, MLflow
+params and logs (and pyarrow's S3 takes none from an endpoint).
 A :class:`Location` pickles with its filesystem's endpoint and options but not with credentials
 resolved from the environment, so Ray tasks and workers reach the same store.
 """
@@ -26,6 +27,7 @@ import pyarrow.fs as pafs
 SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")  # pyarrow.fs's own filesystems
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SECRET_PARAM = re.compile(r"secret|token|password|passwd|credential|signature|key", re.IGNORECASE)
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # where pyarrow's S3 finds its endpoint
 _FS_SCHEME = {"s3": "s3", "gcs": "gs", "hdfs": "hdfs", "abfs": "abfs"}  # pyarrow type_name -> URI scheme
 
 
@@ -34,23 +36,37 @@ def is_uri(value: str | Path) -> bool:
 
 
 def masked(uri: str) -> str:
-    """``uri`` with a password in its user info and the values of secret-looking query
-    parameters replaced by ``***``, for messages; ``uri`` itself when it carries none."""
+    """``uri`` with a password in its user info (``user:***@``, ``***@`` for a lone token), the
+    values of secret-looking query parameters and the user info of endpoints in query values
+    (``endpoint_override=http://user:***@host``) replaced by ``***``, for messages; ``uri`` itself
+    when it carries none."""
     if not has_credentials(uri):
         return uri
     parts = urllib.parse.urlsplit(uri)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, host = netloc.rsplit("@", 1)
-        netloc = f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
-    query = "&".join(f"{k}={'***' if _SECRET_PARAM.search(k) else v}"
+    query = "&".join(f"{k}={'***' if _SECRET_PARAM.search(k) else _masked_endpoint(v)}"
                      for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+    return urllib.parse.urlunsplit(parts._replace(netloc=_masked_user_info(parts.netloc), query=query))
+
+
+def _masked_user_info(authority: str) -> str:
+    """``user:***@host`` for ``user:password@host``, ``***@host`` for ``token@host``."""
+    if "@" not in authority:
+        return authority
+    user, host = authority.rsplit("@", 1)
+    return f"{user.split(':', 1)[0]}:***@{host}" if ":" in user else f"***@{host}"
+
+
+def _masked_endpoint(value: str) -> str:
+    """A query value with the user info of the endpoint it may name (``[scheme://]user:password@host``) masked."""
+    scheme, sep, rest = value.rpartition("://")
+    authority, slash, tail = rest.partition("/")
+    return scheme + sep + _masked_user_info(authority) + slash + tail
 
 
 def check_uri(uri: str) -> str:
-    """``uri`` when its scheme is one pyarrow.fs opens and it carries no credentials; else
-    ValueError naming the problem (with the URI masked)."""
+    """``uri`` when its scheme is one pyarrow.fs opens and neither it nor, for ``s3://``, the
+    endpoint the environment names carries credentials; else ValueError naming the problem
+    (with the URI or endpoint masked)."""
     scheme = _URI.match(uri).group(1).lower()
     if scheme not in SCHEMES:
         raise ValueError(f"{masked(uri)}: unsupported scheme {scheme!r} (a local path or one of "
@@ -58,13 +74,19 @@ def check_uri(uri: str) -> str:
     if has_credentials(uri):
         raise ValueError(f"{masked(uri)}: credentials do not belong in the URI; set them in the environment "
                          "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, …)")
+    for name in ENDPOINT_VARS if scheme == "s3" else ():
+        if has_credentials(endpoint := os.environ.get(name, "")):
+            raise ValueError(f"{name}={masked(endpoint)}: credentials do not belong in the endpoint; set them in "
+                             "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
     return uri
 
 
 def has_credentials(uri: str) -> bool:
-    """Whether ``uri`` carries user info (``user:password@``) or secret-looking query parameters."""
+    """Whether ``uri`` carries user info (``user:password@``), secret-looking query parameters or
+    an endpoint with user info in a query value (``endpoint_override=user:password@host``)."""
     parts = urllib.parse.urlsplit(uri)
-    return "@" in parts.netloc or any(_SECRET_PARAM.search(k) for k, _ in urllib.parse.parse_qsl(parts.query))
+    return "@" in parts.netloc or any(_SECRET_PARAM.search(k) or "@" in v
+                                      for k, v in urllib.parse.parse_qsl(parts.query))
 
 
 def nearest_existing(path: Path) -> Path:

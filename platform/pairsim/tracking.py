@@ -34,7 +34,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
 from pairsim import storage
-from pairsim.config import ConfigError, DataConfig, RunConfig
+from pairsim.config import ConfigError, DataConfig, RunConfig, check_tracking_uri
 from pairsim.data import shards
 from pairsim.log import get_logger
 from pairsim.models import retrieval
@@ -48,8 +48,16 @@ SWEEP_TAG = "pairsim.sweep_name"  # on a sweep's parent run
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
-    """Config, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``; sqlite paths made absolute."""
-    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    """Config (or ``--tracking-uri``), else ``MLFLOW_TRACKING_URI`` (refused with credentials in it,
+    as configured ones are: :func:`pairsim.config.check_tracking_uri`), else ``sqlite:///mlflow.db``;
+    sqlite paths made absolute."""
+    from_environment = os.environ.get("MLFLOW_TRACKING_URI")
+    if not configured and from_environment:
+        try:
+            check_tracking_uri(from_environment)
+        except ValueError as exc:
+            raise ConfigError(f"MLFLOW_TRACKING_URI: {exc}") from None
+    uri = configured or from_environment or DEFAULT_TRACKING_URI
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         uri = prefix + str(Path(uri[len(prefix):]).resolve())
