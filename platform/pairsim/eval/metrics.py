@@ -21,6 +21,7 @@ in percent over the queries that have at least one positive:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,28 +29,45 @@ import torch
 Metrics = dict[str, float]
 
 
-def summarize_ranked_hits(hits: torch.Tensor, n_positive: torch.Tensor, first_rank: torch.Tensor,
-                          ks: Sequence[int]) -> Metrics:
-    """Metrics from each query's ranked relevance.
+@dataclass(frozen=True)
+class QueryValues:
+    """Per-query values of the queries with at least one positive (one tensor entry each), and
+    how many queries had none: everything :func:`metrics_from_query_values` averages."""
+
+    first_rank: torch.Tensor  # long: 1-based rank of the first positive
+    average_precision: torch.Tensor  # float64: AP@R
+    r_precision: torch.Tensor  # float64: positives in the top R / R
+    n_without_positive: int
+
+
+def query_values(hits: torch.Tensor, n_positive: torch.Tensor, first_rank: torch.Tensor) -> QueryValues:
+    """:class:`QueryValues` from each query's ranked relevance.
 
     ``hits`` bool [Q, D]: whether the key at rank i (0-based) is a positive, D ≥ every query's
     R; ``n_positive`` [Q] its R; ``first_rank`` [Q] the 1-based rank of its first positive
-    (anything for queries without one).
+    (anything for queries without one). Memory O(Q·D): pass one block of queries at a time.
     """
     has_positive = n_positive > 0
-    if not has_positive.any():
-        raise ValueError("no query has a positive key")
-    hits, r, first = hits[has_positive], n_positive[has_positive].double(), first_rank[has_positive].double()
-    if hits.shape[1] < r.max():
+    hits, r = hits[has_positive], n_positive[has_positive].double()
+    if len(r) and hits.shape[1] < r.max():
         raise ValueError(f"ranked hits hold {hits.shape[1]} ranks, fewer than the largest R ({int(r.max())})")
     position = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64)
     in_top_r = hits & (position[None, :] <= r[:, None])
     precision = in_top_r.double().cumsum(1) / position
+    return QueryValues(first_rank=first_rank[has_positive], average_precision=(precision * in_top_r).sum(1) / r,
+                       r_precision=in_top_r.sum(1) / r, n_without_positive=int((~has_positive).sum()))
+
+
+def metrics_from_query_values(parts: Sequence[QueryValues], ks: Sequence[int]) -> Metrics:
+    """The metrics of the module docstring from the :class:`QueryValues` of every query block."""
+    first = torch.cat([part.first_rank for part in parts]).double()
+    if not len(first):
+        raise ValueError("no query has a positive key")
     metrics = {f"R@{k}": float((first <= k).double().mean() * 100) for k in ks}
-    metrics["mAP@R"] = float(((precision * in_top_r).sum(1) / r).mean() * 100)
-    metrics["R-P"] = float((in_top_r.sum(1) / r).mean() * 100)
+    metrics["mAP@R"] = float(torch.cat([part.average_precision for part in parts]).mean() * 100)
+    metrics["R-P"] = float(torch.cat([part.r_precision for part in parts]).mean() * 100)
     metrics["median_rank"] = float(np.median(first.numpy()))
-    metrics["n_queries_without_positive"] = float((~has_positive).sum())
+    metrics["n_queries_without_positive"] = float(sum(part.n_without_positive for part in parts))
     return metrics
 
 
@@ -60,7 +78,7 @@ def retrieval_metrics(sim: torch.Tensor, positives: torch.Tensor, ks: Sequence[i
         raise ValueError(f"sim {tuple(sim.shape)} and positives {tuple(positives.shape)} differ in shape")
     order = torch.sort(sim, dim=1, descending=True, stable=True).indices
     hits = torch.gather(positives.bool(), 1, order)
-    return summarize_ranked_hits(hits, positives.sum(1), hits.int().argmax(1) + 1, ks)
+    return metrics_from_query_values([query_values(hits, positives.sum(1), hits.int().argmax(1) + 1)], ks)
 
 
 def _top_by_score(scores: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,4 +180,4 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
                                                          key_block)
         hits.append(block_hits)
         first_rank.append(block_first)
-    return summarize_ranked_hits(torch.cat(hits), n_positive, torch.cat(first_rank), ks)
+    return metrics_from_query_values([query_values(torch.cat(hits), n_positive, torch.cat(first_rank))], ks)
