@@ -28,6 +28,11 @@ import torch
 
 Metrics = dict[str, float]
 
+TOP_DEPTH_BUDGET = 1 << 22
+"""Most candidates (queries × D) in a query block's running top-D, a float32 score and an int64
+index each (48 MB): with D large (class labels, R in the thousands)
+:func:`blocked_retrieval_metrics` takes fewer queries per block."""
+
 
 @dataclass(frozen=True)
 class QueryValues:
@@ -134,6 +139,25 @@ def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, ke
     return above + 1
 
 
+def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                        key_labels: torch.Tensor, n_positive: torch.Tensor, self_keys: torch.Tensor | None,
+                        depth: int, key_block: int) -> QueryValues:
+    """:class:`QueryValues` of one block of queries: its running top-``depth`` over the keys,
+    ``key_block`` at a time, then the exact first-positive rank of queries with none in it."""
+    best = torch.empty(len(queries), 0), torch.empty(len(queries), 0, dtype=torch.long)
+    for k_start in range(0, len(keys), key_block):
+        scores = _chunk_scores(queries, keys[k_start:k_start + key_block], k_start, self_keys)
+        values, indices = _top_by_score(scores, min(depth, scores.shape[1]))
+        best = _ranked(torch.cat([best[0], values], 1), torch.cat([best[1], indices + k_start], 1), depth)
+    hits = (key_labels[best[1]] == query_labels[:, None]) & (query_labels[:, None] >= 0)
+    first_rank = hits.int().argmax(1) + 1
+    missing = ((n_positive > 0) & ~hits.any(1)).nonzero().squeeze(1)
+    if len(missing):
+        first_rank[missing] = _first_positive_ranks(queries[missing], keys, query_labels[missing], key_labels,
+                                                    None if self_keys is None else self_keys[missing], key_block)
+    return query_values(hits, n_positive, first_rank)
+
+
 def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_labels, key_labels,
                               ks: Sequence[int] = (1, 5, 10), self_keys=None, query_block: int = 1024,
                               key_block: int = 65536) -> Metrics:
@@ -141,10 +165,12 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
 
     Positives are keys whose label equals the query's (labels < 0 match nothing);
     ``self_keys[q]`` is the index of query q's own key, left out of its ranking (−1: none).
-    Each block of ``query_block`` queries is scored against ``key_block`` keys at a time
-    (chunked matmul), keeping a running top-D, D = max(max(ks), largest R): memory is
-    O(query_block·key_block + Q·D). Queries with no positive in their top D get their first
-    positive's exact rank from two further passes over the keys (per query block).
+    Each block of q queries is scored against ``key_block`` keys at a time (chunked matmul),
+    keeping a running top-D, D = max(max(ks), largest R), and is summarised
+    (:func:`query_values`) before the next block starts; queries with no positive in their top D
+    get their first positive's exact rank from two further passes over the keys. With
+    q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block + D)) for the block
+    plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
     """
     queries, keys = queries.float(), keys.float()
     query_labels, key_labels = torch.as_tensor(query_labels, dtype=torch.long), torch.as_tensor(key_labels,
@@ -160,24 +186,10 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
     rankable = len(keys) - (0 if self_keys is None else 1)
     depth = min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable)
-
-    hits, first_rank = [], []
-    for q_start in range(0, len(queries), query_block):
-        block = queries[q_start:q_start + query_block]
-        block_self = None if self_keys is None else self_keys[q_start:q_start + query_block]
-        best = torch.empty(len(block), 0), torch.empty(len(block), 0, dtype=torch.long)
-        for k_start in range(0, len(keys), key_block):
-            scores = _chunk_scores(block, keys[k_start:k_start + key_block], k_start, block_self)
-            values, indices = _top_by_score(scores, min(depth, scores.shape[1]))
-            best = _ranked(torch.cat([best[0], values], 1), torch.cat([best[1], indices + k_start], 1), depth)
-        block_labels = query_labels[q_start:q_start + query_block]
-        block_hits = (key_labels[best[1]] == block_labels[:, None]) & (block_labels[:, None] >= 0)
-        block_first = block_hits.int().argmax(1) + 1
-        missing = ((n_positive[q_start:q_start + query_block] > 0) & ~block_hits.any(1)).nonzero().squeeze(1)
-        if len(missing):
-            block_first[missing] = _first_positive_ranks(block[missing], keys, block_labels[missing], key_labels,
-                                                         None if block_self is None else block_self[missing],
-                                                         key_block)
-        hits.append(block_hits)
-        first_rank.append(block_first)
-    return metrics_from_query_values([query_values(torch.cat(hits), n_positive, torch.cat(first_rank))], ks)
+    query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
+    parts = []
+    for start in range(0, len(queries), query_block):
+        block = slice(start, start + query_block)
+        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, n_positive[block],
+                                         None if self_keys is None else self_keys[block], depth, key_block))
+    return metrics_from_query_values(parts, ks)
