@@ -2,22 +2,33 @@
 
     python pipelines/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
     python pipelines/bench_eval.py --sizes 1000 3000 --dim 512
+    git show 95fdf8c:platform/pairsim/eval/metrics.py > /tmp/metrics_95fdf8c.py
+    python pipelines/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
+        --compare-with /tmp/metrics_95fdf8c.py --mmap-threshold 131072
 
 N queries against 5N keys (text→image has 5 captions per image; here queries are images and keys
 captions, the i2t direction: Q = N, K = 5N, 5 positives each), d-dimensional unit vectors where
 each query is its captions' centre plus noise, so positives rank near the top as in a trained
-model. Dense is :func:`pairsim.eval.metrics.retrieval_metrics` on the full Q×K matrix and its
-positives (the baseline, measured in the same run while it fits in memory); blocked is
-:func:`pairsim.eval.metrics.blocked_retrieval_metrics` on the embeddings and labels. Each
-measurement runs in a fresh process; peak memory is the process's peak RSS minus its RSS with
-the inputs built. Both must give the same metrics (checked where both run).
+model. With ``--classes C`` an image's label is its class (image index mod C) instead of its
+own: R = 5N/C positives per query, so the running top-D is D = R deep. Dense is
+:func:`pairsim.eval.metrics.retrieval_metrics` on the full Q×K matrix and its positives (the
+baseline, measured in the same run while it fits in memory); blocked is
+:func:`pairsim.eval.metrics.blocked_retrieval_metrics` on the embeddings and labels;
+``--compare-with FILE`` also measures the ``blocked_retrieval_metrics`` of another metrics
+module (e.g. an older commit's: the "other" columns). Each measurement runs in a fresh process;
+peak memory is the process's peak RSS (VmHWM) minus its RSS with the inputs built, freed memory
+that glibc keeps in its heaps included unless ``--mmap-threshold`` fixes glibc's mmap threshold
+(large blocks then go back to the system when freed, so the peak counts live tensors). All must
+give the same metrics (checked).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
-import resource
+import os
+import sys
 import time
 
 import torch
@@ -27,37 +38,49 @@ from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 CAPTIONS = 5
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+def _status_mb(field: str) -> float:
+    """A memory line of /proc/self/status (VmRSS, VmHWM) in MB: unlike ``ru_maxrss``, VmHWM
+    does not inherit the RSS of the process that forked this one."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
-def problem(n: int, dim: int, seed: int = 0):
+def problem(n: int, dim: int, classes: int | None = None, seed: int = 0):
+    """(queries, keys, query labels, key labels): labels are the image index, or its class."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.normalize(torch.randn(n * CAPTIONS, dim, generator=g), dim=1)
-    key_labels = torch.arange(n).repeat_interleave(CAPTIONS)
+    image_labels = torch.arange(n) if classes is None else torch.arange(n) % classes
     centres = keys.view(n, CAPTIONS, dim).mean(1)
     queries = torch.nn.functional.normalize(centres + 1.0 * torch.randn(n, dim, generator=g) / dim**0.5, dim=1)
-    return queries, keys, torch.arange(n), key_labels
+    return queries, keys, image_labels, image_labels.repeat_interleave(CAPTIONS)
 
 
-def _measure(method: str, n: int, dim: int, out) -> None:
-    queries, keys, query_labels, key_labels = problem(n, dim)
-    base = _rss_mb()
+def _blocked_from(path: str):
+    """``blocked_retrieval_metrics`` of the metrics module at ``path``."""
+    spec = importlib.util.spec_from_file_location("other_metrics", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.blocked_retrieval_metrics
+
+
+def _measure(method: str, n: int, dim: int, classes: int | None, other: str | None, out) -> None:
+    queries, keys, query_labels, key_labels = problem(n, dim, classes)
+    blocked = _blocked_from(other) if method == "other" else blocked_retrieval_metrics
+    base = _status_mb("VmRSS")
     start = time.perf_counter()
     if method == "dense":
         metrics = retrieval_metrics(queries @ keys.T, query_labels[:, None] == key_labels[None, :])
     else:
-        metrics = blocked_retrieval_metrics(queries, keys, query_labels, key_labels)
+        metrics = blocked(queries, keys, query_labels, key_labels)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out.put((seconds, peak - base, metrics))
+    out.put((seconds, _status_mb("VmHWM") - base, metrics))
 
 
-def measure(method: str, n: int, dim: int):
+def measure(method: str, n: int, dim: int, classes: int | None, other: str | None):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(method, n, dim, out))
+    proc = ctx.Process(target=_measure, args=(method, n, dim, classes, other, out))
     proc.start()
     result = out.get()
     proc.join()
@@ -69,20 +92,30 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000, 10_000, 30_000, 100_000])
     parser.add_argument("--dense-max", type=int, default=10_000, help="largest N measured densely")
     parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--classes", type=int, help="C class labels: R = 5N/C positives per query")
+    parser.add_argument("--compare-with", metavar="FILE",
+                        help="a metrics.py whose blocked_retrieval_metrics is measured too")
+    parser.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ (bytes) of the measuring processes")
     args = parser.parse_args()
-    print(f"queries N × keys 5N, d = {args.dim}, {torch.get_num_threads()} threads; peak = extra RSS over the inputs")
+    if args.mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by each spawned process's glibc
+    positives = "5 positives each" if args.classes is None else f"{args.classes} classes, R = 5N/{args.classes}"
+    print(f"queries N × keys 5N ({positives}), d = {args.dim}, {torch.get_num_threads()} threads; "
+          f"peak = extra RSS over the inputs, mmap threshold {args.mmap_threshold or 'dynamic'}")
     print(f"{'N':>8} {'keys':>8} | {'dense s':>9} {'dense MB':>9} | {'blocked s':>9} {'blocked MB':>10} | "
-          f"{'time ×':>7} {'memory ×':>8} | R@1")
+          f"{'time ×':>7} {'memory ×':>8} | {'other s':>8} {'other MB':>8} | R@1")
     for n in args.sizes:
-        blocked = measure("blocked", n, args.dim)
-        dense = measure("dense", n, args.dim) if n <= args.dense_max else None
-        if dense is not None:
-            for key, value in dense[2].items():
-                assert abs(value - blocked[2][key]) < 1e-9, (n, key, value, blocked[2][key])
+        blocked = measure("blocked", n, args.dim, args.classes, None)
+        dense = measure("dense", n, args.dim, args.classes, None) if n <= args.dense_max else None
+        other = measure("other", n, args.dim, args.classes, args.compare_with) if args.compare_with else None
+        for name, result in (("dense", dense), ("other", other)):
+            for key, value in (result[2] if result else {}).items():
+                assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])
         cells = (f"{dense[0]:9.2f} {dense[1]:9.0f}" if dense else f"{'–':>9} {'–':>9}")
         ratios = (f"{blocked[0] / dense[0]:7.2f} {blocked[1] / max(dense[1], 1):8.3f}" if dense else f"{'–':>7} {'–':>8}")
+        compared = (f"{other[0]:8.2f} {other[1]:8.0f}" if other else f"{'–':>8} {'–':>8}")
         print(f"{n:>8,} {n * CAPTIONS:>8,} | {cells} | {blocked[0]:9.2f} {blocked[1]:10.0f} | {ratios} | "
-              f"{blocked[2]['R@1']:.1f}", flush=True)
+              f"{compared} | {blocked[2]['R@1']:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 import io
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from conftest import step_images
+import pairsim.eval.metrics as metrics_module
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 from pairsim.eval.report import grid_heatmap, log_pictures, retrieval_gallery
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split, grid_items, modality_grid, unimodal_metrics
@@ -15,12 +20,14 @@ from pairsim.models.fusion import NormalizedSumFusion
 from pairsim.tracking import RunLogger
 
 
-def reference_metrics(sim, positives, ks):
-    """Every metric straight from its definition, one query at a time, in float64 Python."""
+def reference_metrics(sim, positives, ks, excluded=None):
+    """Every metric straight from its definition, one query at a time, in float64 Python;
+    ``excluded[q]``: a key left out of query q's ranking (−1: none)."""
     ranks_of_first, aps, rps, hits_at = [], [], [], {k: 0 for k in ks}
     without = 0
-    for scores, pos in zip(sim.tolist(), positives.tolist()):
-        order = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    for q, (scores, pos) in enumerate(zip(sim.tolist(), positives.tolist())):
+        left_out = -1 if excluded is None else excluded[q]
+        order = sorted((j for j in range(len(scores)) if j != left_out), key=lambda j: (-scores[j], j))
         rel = [pos[j] for j in order]
         r = sum(rel)
         if r == 0:
@@ -108,6 +115,83 @@ def test_blocked_takes_string_free_numpy_labels_and_is_deterministic():
     first = blocked_retrieval_metrics(queries, keys, ql.numpy(), kl.numpy(), query_block=16, key_block=16)
     assert first == blocked_retrieval_metrics(queries, keys, np.asarray(ql), np.asarray(kl), query_block=8,
                                               key_block=32)
+
+
+def class_problem(seed, n_items, n_classes=3, dim=4):
+    """Items on a coarse grid (many tied scores), each query one of the keys: ``n_classes`` class
+    labels (R ≈ n_items / (n_classes + 1)) and some −1 (matching nothing); every seventh query
+    without its own key (−1), the others with it (``self_keys``)."""
+    g = torch.Generator().manual_seed(seed)
+    items = torch.randint(-2, 3, (n_items, dim), generator=g).float() / 2
+    labels = torch.randint(-1, n_classes, (n_items,), generator=g)
+    self_keys = torch.where(torch.arange(n_items) % 7 == 3, -1, torch.arange(n_items))
+    return items, labels, self_keys
+
+
+@pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 5)), (1, (1,), (2, 3)), (2, (1, 5), (16, 50)),
+                                            (3, (1, 5), (64, 1000)), (4, (100,), (33, 17))])
+def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks):
+    """R near 60 (more than every key block but the last, and than some ks) with 3 classes over
+    240 items, each query's own key left out."""
+    items, labels, self_keys = class_problem(seed, 240)
+    sim = items.double() @ items.double().T
+    positives = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)
+    reference = reference_metrics(sim, positives, ks, excluded=self_keys.tolist())
+    assert blocked_retrieval_metrics(items, items, labels, labels, ks, self_keys=self_keys, query_block=blocks[0],
+                                     key_block=blocks[1]) == pytest.approx(reference, abs=1e-9)
+
+
+def test_blocked_summarises_each_query_block_within_the_top_depth_budget(monkeypatch):
+    """The ranked hits exist one query block at a time, of at most ⌊TOP_DEPTH_BUDGET / D⌋ queries
+    when D is large, never [Q, D]; the metrics stay the reference's."""
+    items, labels, self_keys = class_problem(5, 200, n_classes=2)
+    sim = items.double() @ items.double().T
+    positives = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)
+    depth = max(5, int((positives & ~torch.diag(self_keys >= 0)).sum(1).max()))  # D = max(max(ks), largest R)
+    shapes, query_values = [], metrics_module.query_values
+
+    def recording(hits, n_positive, first_rank):
+        shapes.append(tuple(hits.shape))
+        return query_values(hits, n_positive, first_rank)
+
+    monkeypatch.setattr(metrics_module, "query_values", recording)
+    monkeypatch.setattr(metrics_module, "TOP_DEPTH_BUDGET", 10 * depth)
+    found = blocked_retrieval_metrics(items, items, labels, labels, (1, 5), self_keys=self_keys, query_block=64,
+                                      key_block=32)
+    assert found == pytest.approx(reference_metrics(sim, positives, (1, 5), excluded=self_keys.tolist()), abs=1e-9)
+    assert shapes == [(10, depth)] * 20
+
+
+BLOCKED_PEAK = """
+import sys, torch
+sys.path.insert(0, {platform!r})
+from pairsim.eval.metrics import blocked_retrieval_metrics
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+torch.set_num_threads(1)  # no per-thread allocator arenas
+n = {n}
+items = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+labels, self_keys = torch.arange(n) % 2, torch.arange(n)
+for _ in range(2):  # the first call also maps the library pages it runs: measure the second
+    before = kib("VmRSS:")
+    blocked_retrieval_metrics(items, items, labels, labels, self_keys=self_keys, query_block=64, key_block=1024)
+print((kib("VmHWM:") - before) * 1024)
+"""
+
+
+def test_blocked_memory_does_not_grow_with_queries_times_depth():
+    """Two classes over n items: D = R ≈ n/2, so a [Q, D] summary (bool hits, float64 precision
+    and its temporaries) needs over Q·D·12 bytes (24 MB at n = 2000); the blocks need ~1 MB.
+    Peak RSS (VmHWM: ru_maxrss would inherit the forking pytest's) beyond what a fresh process
+    held before the measured call; a fixed mmap threshold makes glibc unmap freed blocks at
+    once, so RSS counts only live tensors."""
+    n = 2000
+    script = BLOCKED_PEAK.format(platform=str(Path(metrics_module.__file__).parents[2]), n=n)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True,
+                          env=os.environ | {"MALLOC_MMAP_THRESHOLD_": "131072"})
+    extra = int(done.stdout.split()[-1])
+    assert extra < n * (n // 2) * 12, f"peak RSS grew by {extra / 2**20:.0f} MB"
 
 
 def unit(*rows):

@@ -21,35 +21,58 @@ in percent over the queries that have at least one positive:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 Metrics = dict[str, float]
 
+TOP_DEPTH_BUDGET = 1 << 22
+"""Most candidates (queries × D) in a query block's running top-D, a float32 score and an int64
+index each (48 MB): with D large (class labels, R in the thousands)
+:func:`blocked_retrieval_metrics` takes fewer queries per block."""
 
-def summarize_ranked_hits(hits: torch.Tensor, n_positive: torch.Tensor, first_rank: torch.Tensor,
-                          ks: Sequence[int]) -> Metrics:
-    """Metrics from each query's ranked relevance.
+
+@dataclass(frozen=True)
+class QueryValues:
+    """Per-query values of the queries with at least one positive (one tensor entry each), and
+    how many queries had none: everything :func:`metrics_from_query_values` averages."""
+
+    first_rank: torch.Tensor  # long: 1-based rank of the first positive
+    average_precision: torch.Tensor  # float64: AP@R
+    r_precision: torch.Tensor  # float64: positives in the top R / R
+    n_without_positive: int
+
+
+def query_values(hits: torch.Tensor, n_positive: torch.Tensor, first_rank: torch.Tensor) -> QueryValues:
+    """:class:`QueryValues` from each query's ranked relevance.
 
     ``hits`` bool [Q, D]: whether the key at rank i (0-based) is a positive, D ≥ every query's
     R; ``n_positive`` [Q] its R; ``first_rank`` [Q] the 1-based rank of its first positive
-    (anything for queries without one).
+    (anything for queries without one). Memory O(Q·D): pass one block of queries at a time.
     """
     has_positive = n_positive > 0
-    if not has_positive.any():
-        raise ValueError("no query has a positive key")
-    hits, r, first = hits[has_positive], n_positive[has_positive].double(), first_rank[has_positive].double()
-    if hits.shape[1] < r.max():
+    hits, r = hits[has_positive], n_positive[has_positive].double()
+    if len(r) and hits.shape[1] < r.max():
         raise ValueError(f"ranked hits hold {hits.shape[1]} ranks, fewer than the largest R ({int(r.max())})")
     position = torch.arange(1, hits.shape[1] + 1, dtype=torch.float64)
     in_top_r = hits & (position[None, :] <= r[:, None])
     precision = in_top_r.double().cumsum(1) / position
+    return QueryValues(first_rank=first_rank[has_positive], average_precision=(precision * in_top_r).sum(1) / r,
+                       r_precision=in_top_r.sum(1) / r, n_without_positive=int((~has_positive).sum()))
+
+
+def metrics_from_query_values(parts: Sequence[QueryValues], ks: Sequence[int]) -> Metrics:
+    """The metrics of the module docstring from the :class:`QueryValues` of every query block."""
+    first = torch.cat([part.first_rank for part in parts]).double()
+    if not len(first):
+        raise ValueError("no query has a positive key")
     metrics = {f"R@{k}": float((first <= k).double().mean() * 100) for k in ks}
-    metrics["mAP@R"] = float(((precision * in_top_r).sum(1) / r).mean() * 100)
-    metrics["R-P"] = float((in_top_r.sum(1) / r).mean() * 100)
+    metrics["mAP@R"] = float(torch.cat([part.average_precision for part in parts]).mean() * 100)
+    metrics["R-P"] = float(torch.cat([part.r_precision for part in parts]).mean() * 100)
     metrics["median_rank"] = float(np.median(first.numpy()))
-    metrics["n_queries_without_positive"] = float((~has_positive).sum())
+    metrics["n_queries_without_positive"] = float(sum(part.n_without_positive for part in parts))
     return metrics
 
 
@@ -60,7 +83,7 @@ def retrieval_metrics(sim: torch.Tensor, positives: torch.Tensor, ks: Sequence[i
         raise ValueError(f"sim {tuple(sim.shape)} and positives {tuple(positives.shape)} differ in shape")
     order = torch.sort(sim, dim=1, descending=True, stable=True).indices
     hits = torch.gather(positives.bool(), 1, order)
-    return summarize_ranked_hits(hits, positives.sum(1), hits.int().argmax(1) + 1, ks)
+    return metrics_from_query_values([query_values(hits, positives.sum(1), hits.int().argmax(1) + 1)], ks)
 
 
 def _top_by_score(scores: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +139,25 @@ def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, ke
     return above + 1
 
 
+def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                        key_labels: torch.Tensor, n_positive: torch.Tensor, self_keys: torch.Tensor | None,
+                        depth: int, key_block: int) -> QueryValues:
+    """:class:`QueryValues` of one block of queries: its running top-``depth`` over the keys,
+    ``key_block`` at a time, then the exact first-positive rank of queries with none in it."""
+    best = torch.empty(len(queries), 0), torch.empty(len(queries), 0, dtype=torch.long)
+    for k_start in range(0, len(keys), key_block):
+        scores = _chunk_scores(queries, keys[k_start:k_start + key_block], k_start, self_keys)
+        values, indices = _top_by_score(scores, min(depth, scores.shape[1]))
+        best = _ranked(torch.cat([best[0], values], 1), torch.cat([best[1], indices + k_start], 1), depth)
+    hits = (key_labels[best[1]] == query_labels[:, None]) & (query_labels[:, None] >= 0)
+    first_rank = hits.int().argmax(1) + 1
+    missing = ((n_positive > 0) & ~hits.any(1)).nonzero().squeeze(1)
+    if len(missing):
+        first_rank[missing] = _first_positive_ranks(queries[missing], keys, query_labels[missing], key_labels,
+                                                    None if self_keys is None else self_keys[missing], key_block)
+    return query_values(hits, n_positive, first_rank)
+
+
 def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_labels, key_labels,
                               ks: Sequence[int] = (1, 5, 10), self_keys=None, query_block: int = 1024,
                               key_block: int = 65536) -> Metrics:
@@ -123,10 +165,12 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
 
     Positives are keys whose label equals the query's (labels < 0 match nothing);
     ``self_keys[q]`` is the index of query q's own key, left out of its ranking (−1: none).
-    Each block of ``query_block`` queries is scored against ``key_block`` keys at a time
-    (chunked matmul), keeping a running top-D, D = max(max(ks), largest R): memory is
-    O(query_block·key_block + Q·D). Queries with no positive in their top D get their first
-    positive's exact rank from two further passes over the keys (per query block).
+    Each block of q queries is scored against ``key_block`` keys at a time (chunked matmul),
+    keeping a running top-D, D = max(max(ks), largest R), and is summarised
+    (:func:`query_values`) before the next block starts; queries with no positive in their top D
+    get their first positive's exact rank from two further passes over the keys. With
+    q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block + D)) for the block
+    plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
     """
     queries, keys = queries.float(), keys.float()
     query_labels, key_labels = torch.as_tensor(query_labels, dtype=torch.long), torch.as_tensor(key_labels,
@@ -142,24 +186,10 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
     rankable = len(keys) - (0 if self_keys is None else 1)
     depth = min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable)
-
-    hits, first_rank = [], []
-    for q_start in range(0, len(queries), query_block):
-        block = queries[q_start:q_start + query_block]
-        block_self = None if self_keys is None else self_keys[q_start:q_start + query_block]
-        best = torch.empty(len(block), 0), torch.empty(len(block), 0, dtype=torch.long)
-        for k_start in range(0, len(keys), key_block):
-            scores = _chunk_scores(block, keys[k_start:k_start + key_block], k_start, block_self)
-            values, indices = _top_by_score(scores, min(depth, scores.shape[1]))
-            best = _ranked(torch.cat([best[0], values], 1), torch.cat([best[1], indices + k_start], 1), depth)
-        block_labels = query_labels[q_start:q_start + query_block]
-        block_hits = (key_labels[best[1]] == block_labels[:, None]) & (block_labels[:, None] >= 0)
-        block_first = block_hits.int().argmax(1) + 1
-        missing = ((n_positive[q_start:q_start + query_block] > 0) & ~block_hits.any(1)).nonzero().squeeze(1)
-        if len(missing):
-            block_first[missing] = _first_positive_ranks(block[missing], keys, block_labels[missing], key_labels,
-                                                         None if block_self is None else block_self[missing],
-                                                         key_block)
-        hits.append(block_hits)
-        first_rank.append(block_first)
-    return summarize_ranked_hits(torch.cat(hits), n_positive, torch.cat(first_rank), ks)
+    query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
+    parts = []
+    for start in range(0, len(queries), query_block):
+        block = slice(start, start + query_block)
+        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, n_positive[block],
+                                         None if self_keys is None else self_keys[block], depth, key_block))
+    return metrics_from_query_values(parts, ks)

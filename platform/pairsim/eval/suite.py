@@ -187,7 +187,7 @@ def modality_grid(emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[in
 
 
 def ranking_metric_names(prefix: str, ks: Sequence[int]) -> dict[str, Mode]:
-    """The names :func:`pairsim.eval.metrics.summarize_ranked_hits` reports for one ranking
+    """The names :func:`pairsim.eval.metrics.metrics_from_query_values` reports for one ranking
     direction, prefixed, with their modes (the lowest median rank is best)."""
     return ({f"{prefix}_R@{k}": "max" for k in ks} | {f"{prefix}_mAP@R": "max", f"{prefix}_R-P": "max",
             f"{prefix}_median_rank": "min", f"{prefix}_n_queries_without_positive": None})
