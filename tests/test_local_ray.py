@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -96,8 +97,9 @@ def test_the_setup_hook_leaves_torch_the_threads_ray_gives_a_task(ray_instance):
 
 
 LISTENERS = textwrap.dedent("""
-    import json, sys
+    import json, os, subprocess, sys
     import psutil, ray
+    from test_local_ray import JOIN
     from pairsim.config import load_config
     from pairsim.train.driver import init_ray
 
@@ -111,8 +113,12 @@ LISTENERS = textwrap.dedent("""
                           if c.status == psutil.CONN_LISTEN}
         except psutil.NoSuchProcess:
             pass
+    joined = subprocess.run([sys.executable, "-c", JOIN], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    assert joined.returncode == 0 and joined.stdout.strip() == "joined", joined.stderr[-3000:]
     print(json.dumps(sorted(listening)))
 """)
+JOIN = "import ray; from pairsim import jobs; jobs.join_cluster(None); print(ray.get(ray.remote(lambda: 'joined').remote()))"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
@@ -120,8 +126,10 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 def test_a_local_instance_listens_on_loopback_unless_asked(tmp_path, all_interfaces):
     """Every listening socket of the processes a local instance starts (GCS, raylet, dashboard
     and its agents with their metrics exporters, workers): on loopback; on every interface with
-    ``ray.listen_on_all_interfaces``, as Ray does by default."""
+    ``ray.listen_on_all_interfaces``, as Ray does by default. Either way a second driver joins it
+    at the address it gives (``RAY_ADDRESS``), as a sweep's or a test's subprocess does."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-c", LISTENERS, f"ray.listen_on_all_interfaces={all_interfaces}"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]

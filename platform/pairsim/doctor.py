@@ -104,7 +104,9 @@ def cluster(cfg: RunConfig) -> list[Finding]:
                                + plan)]
     import ray
 
-    ray.init(address=cfg.ray.address, log_to_driver=False)
+    from pairsim.train import local_ray
+
+    local_ray.join(cfg.ray.address, log_to_driver=False)
     try:
         resources = ray.cluster_resources()
     finally:

@@ -2,8 +2,8 @@
 worker in the job's ``runtime_env``, so no node needs it installed, and ``ray job stop`` (SIGTERM
 to the driver) turned into an exception that unwinds the run, which then ends KILLED in MLflow.
 
-This module imports only the standard library (``ray`` when it joins a cluster): the command
-line imports it before it knows the command.
+This module imports only the standard library (Ray when it joins a cluster): the command line
+imports it before it knows the command.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ def join_cluster(address: str | None, **init_kwargs) -> None:
     uploads it once and every worker of the job (Ray Train, Ray Data, Tune) imports it from
     there, ahead of any pairsim installed on the node. Ray merges it with the runtime
     environment the job was submitted with (``--working-dir``), which must not set
-    ``py_modules`` itself."""
-    import ray
+    ``py_modules`` itself. A loopback address (a pairsim local instance) is joined as written
+    (:func:`pairsim.train.local_ray.join`)."""
+    from pairsim.train import local_ray
 
-    ray.init(address=address, runtime_env={"py_modules": [str(PACKAGE_DIR)]}, **init_kwargs)
+    local_ray.join(address, runtime_env={"py_modules": [str(PACKAGE_DIR)]}, **init_kwargs)
 
 
 class JobStopped(KeyboardInterrupt):
