@@ -21,6 +21,7 @@ import hashlib
 import json
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +127,6 @@ def checkpoints_in(run: storage.Location) -> list[storage.Location]:
                                            and i.base_name.startswith("checkpoint_")), reverse=True)]
 
 
-def run_checkpoints(checkpoint: ray.train.Checkpoint) -> list[ray.train.Checkpoint]:
-    """``checkpoint`` and the other checkpoints of its run beside it, newest first."""
-    run = storage.Location.on(checkpoint.filesystem, checkpoint.path).parent
-    return [ray.train.Checkpoint(c.path, filesystem=checkpoint.filesystem) for c in checkpoints_in(run)]
-
-
 def inventory(path: str | Path) -> list[tuple[storage.Location, dict[str, Any], list[str]]]:
     """(checkpoint, its card or {}, :func:`verify_checkpoint`'s problems) for ``path`` — a
     checkpoint, or a run directory's every checkpoint, newest first (``pairsim checkpoints``)."""
@@ -148,28 +143,56 @@ def inventory(path: str | Path) -> list[tuple[storage.Location, dict[str, Any], 
     return out
 
 
-def restore(engine) -> tuple[int, int]:
-    """(first epoch to run, global step) from the newest of the run's checkpoints that passes
-    :func:`verify_checkpoint` (rank 0 checks, every rank loads its choice; newer ones that fail
-    are reported and skipped), or (0, 0) when there is none."""
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's checkpoints
+
+
+def set_aside_stale_snapshot(run: storage.Location) -> None:
+    """Ray Train refuses a run directory whose record of its checkpoints names one that is gone
+    (deleted by hand to free space or drop a bad epoch). When ``run``'s record does, it is
+    renamed ``<name>.stale-<time>`` with a warning naming what is gone; Ray Train then starts a
+    new record (checkpoints saved before are not ranked in it) and :func:`restore` resumes from
+    the newest checkpoint left."""
+    snapshot = run / RAY_SNAPSHOT
+    if not snapshot.is_file():
+        return
+    listed = [result["checkpoint_dir_name"] for result in json.loads(snapshot.read_text())["checkpoint_results"]]
+    gone = [name for name in listed if (run / name).info().type != pyarrow.fs.FileType.Directory]
+    if gone:
+        aside = run / f"{RAY_SNAPSHOT}.stale-{time.strftime('%Y%m%d-%H%M%S')}"
+        run.fs.move(snapshot.path, aside.path)
+        logger.warning("%s: Ray Train's record of the run names checkpoints that are gone (%s); it is set aside "
+                       "as %s", run, ", ".join(gone), aside.name)
+
+
+def restore(engine, run_dir: str) -> tuple[int, int]:
+    """(first epoch to run, global step) from the newest checkpoint in ``run_dir`` (the run's
+    directory, a path or URI) that passes :func:`verify_checkpoint` — rank 0 checks, every rank
+    loads its choice; newer ones that fail are reported and skipped — or (0, 0) when there is
+    none. Ray Train's own record is not what decides: a worker lost after its checkpoint was
+    written but before Ray Train registered it (or a record set aside by
+    :func:`set_aside_stale_snapshot`) would send the run back to an older one, or to the start.
+    A checkpoint without checksums (saved before pairsim wrote them) is trusted only if Ray Train
+    registered it or one after it; a newer one is a save that failed part way (a full disk)."""
     latest = ray.train.get_checkpoint()
-    if not latest:
+    registered_through = Path(latest.path).name if latest else ""  # checkpoint names sort by time
+    candidates = [ray.train.Checkpoint(c.path, filesystem=c.fs) for c in checkpoints_in(storage.Location.of(run_dir))]
+    if not candidates:
         return 0, 0
-    candidates = run_checkpoints(latest)
     choice = [None]
     if dist.rank() == 0:
         for index, candidate in enumerate(candidates):
             with candidate.as_directory() as ckpt_dir:
                 problems = verify_checkpoint(ckpt_dir)
-            if not problems or problems[0].startswith(f"no {CHECKSUMS_DIR}/"):  # older: trusted as before
+            registered = Path(candidate.path).name <= registered_through
+            if not problems or (registered and problems[0].startswith(f"no {CHECKSUMS_DIR}/")):
                 choice = [index]
                 break
             logger.warning("checkpoint %s is skipped: %s", candidate.path, "; ".join(problems))
     if dist.world_size() > 1:
         torch.distributed.broadcast_object_list(choice, src=0)
     if choice[0] is None:
-        raise RuntimeError(f"no checkpoint of {Path(latest.path).parent} passes verification (each is listed "
-                           "above); move the run directory aside to start over")
+        raise RuntimeError(f"no checkpoint of {run_dir} passes verification (each is listed above); move the run "
+                           "directory aside to start over")
     with candidates[choice[0]].as_directory() as ckpt_dir:
         verify_checkpoint_files(ckpt_dir)
         _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)

@@ -262,11 +262,13 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
 
         failure_config = FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=STARTUP_RETRIES)
         callbacks = [TuneReportCallback()]
+    run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
+    checkpoints.set_aside_stale_snapshot(run_dir)
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
-                                            started_at=started_at)},
+                                            started_at=started_at, run_dir=run_dir.uri)},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(

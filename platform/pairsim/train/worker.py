@@ -44,6 +44,7 @@ class WorkerJob:
     ledger: str  # name of the run's skipped-image ledger actor
     log_level: str
     started_at: float  # time.time() when the driver's fit began: perf/startup_s counts from it
+    run_dir: str  # where the run's checkpoints are (a path or URI): resumes pick from them
 
 
 def selection_metric(cfg: RunConfig) -> str:
@@ -154,8 +155,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
     run.log_metrics(metrics, step)
     similarity.log_similarities(run, embeddings, step, epoch)
     if not pictured:
-        log_pictures(run, report, embeddings, functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split),
-                     "val", step, title=f"val, epoch {epoch}")
+        rows = functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split)
+        log_pictures(run, report, embeddings, rows, "val", step, title=f"val, epoch {epoch}")
     return metrics
 
 
@@ -168,7 +169,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     engine = engines.create_engine(cfg, job.deepspeed_config)
     dtype = engines.DTYPES[cfg.train.precision]
     live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
-    start_epoch, step = checkpoints.restore(engine)
+    start_epoch, step = checkpoints.restore(engine, job.run_dir)
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
@@ -178,51 +179,54 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
 
-    for epoch in range(start_epoch, cfg.train.epochs):
-        batches = train_shard.iter_torch_batches(
-            batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
-            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
-            local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
-        timer = StepTimer(cfg.train.micro_batch_size * world * cfg.train.accumulate_steps)
-        micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
-        for epoch_step, group in enumerate(micro_batches, start=1):
-            timer.batch_ready()
-            try:
-                out = accumulation.train_step(engine, [
-                    {"image": normalize(batch["pixels"].to(engine.device), dtype),
-                     "text": batch["tokens"].to(engine.device), "group_ids": batch["group_ids"].to(engine.device),
-                     **teacher_embeddings(batch, live_teachers, engine.device)} for batch in group],
-                    cache_features=cfg.train.accumulate_mode == "cache_features")
-            except FloatingPointError as exc:
-                raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
-            loss = out["loss"]
-            engines.clamp_temperatures(engine)
-            step += 1
-            timer.step_done()
-            if run and epoch_step == 1 and epoch == start_epoch:
-                run.log_metrics({"perf/startup_s": time.time() - job.started_at}, step)
-            if step % cfg.train.log_every_n_steps == 0:
-                logged = dist.mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
-                rate = timer.window_rate()
-                if run:
-                    lr = engine.get_lr()[0]
-                    run.log_metrics(logged | {"train/lr": lr, "train/samples_per_s": rate,
-                                              "train/epoch": epoch + epoch_step / max(job.steps_per_epoch, 1)}, step)
-                    total = job.steps_per_epoch * cfg.train.epochs
-                    logger.info("epoch %d/%d step %d/%d loss %.4f lr %.2e %.0f samples/s, %s", epoch + 1,
-                                cfg.train.epochs, step, total, logged["train/loss"], lr, rate,
-                                progress_eta(total - step, timer.samples_per_step, rate))
+    try:
+        for epoch in range(start_epoch, cfg.train.epochs):
+            batches = train_shard.iter_torch_batches(
+                batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+                local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
+                local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
+            timer = StepTimer(cfg.train.micro_batch_size * world * cfg.train.accumulate_steps)
+            micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
+            for epoch_step, group in enumerate(micro_batches, start=1):
+                timer.batch_ready()
+                try:
+                    out = accumulation.train_step(engine, [
+                        {"image": normalize(batch["pixels"].to(engine.device), dtype),
+                         "text": batch["tokens"].to(engine.device), "group_ids": batch["group_ids"].to(engine.device),
+                         **teacher_embeddings(batch, live_teachers, engine.device)} for batch in group],
+                        cache_features=cfg.train.accumulate_mode == "cache_features")
+                except FloatingPointError as exc:
+                    raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
+                loss = out["loss"]
+                engines.clamp_temperatures(engine)
+                step += 1
+                timer.step_done()
+                if run and epoch_step == 1 and epoch == start_epoch:
+                    run.log_metrics({"perf/startup_s": time.time() - job.started_at}, step)
+                if step % cfg.train.log_every_n_steps == 0:
+                    logged = dist.mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
+                    rate = timer.window_rate()
+                    if run:
+                        lr = engine.get_lr()[0]
+                        progress = epoch + epoch_step / max(job.steps_per_epoch, 1)
+                        run.log_metrics(logged | {"train/lr": lr, "train/samples_per_s": rate, "train/epoch": progress},
+                                        step)
+                        total = job.steps_per_epoch * cfg.train.epochs
+                        logger.info("epoch %d/%d step %d/%d loss %.4f lr %.2e %.0f samples/s, %s", epoch + 1,
+                                    cfg.train.epochs, step, total, logged["train/loss"], lr, rate,
+                                    progress_eta(total - step, timer.samples_per_step, rate))
 
-        metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
-        card = None
-        if run:
-            run.log_metrics(timer.metrics(), step)
-            run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
-            shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
-            logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
-                f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
-            card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
-                                        epoch=epoch + 1, step=step, val=metrics)
-        checkpoints.save_checkpoint(engine, epoch, step, card, metrics)
-    if run:
-        run.close()
+            metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
+            card = None
+            if run:
+                run.log_metrics(timer.metrics(), step)
+                run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
+                shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
+                logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
+                    f"{k.removeprefix('val/')}={metrics[k]:.2f}" for k in shown if k in metrics))
+                card = retrieval.model_card(cfg.model, engine.module.model, zero_stage=cfg.train.zero_stage,
+                                            epoch=epoch + 1, step=step, val=metrics)
+            checkpoints.save_checkpoint(engine, epoch, step, card, metrics)
+    finally:
+        if run:  # what is buffered goes to MLflow (or its spill file), also when a step failed
+            run.close()
