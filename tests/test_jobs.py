@@ -44,9 +44,15 @@ def test_a_command_stopped_by_sigterm_exits_143(monkeypatch, capsys):
 
 @pytest.mark.parametrize("outcome, status", [("succeeds", "FINISHED"), ("fails", "FAILED"), ("stopped", "KILLED")])
 def test_ending_run_sets_the_status_of_how_the_block_ended(tmp_path, outcome, status):
+    """A sweep's parent run with a trial still running and one finished: the running trial
+    ends KILLED with a parent stopped or failed (it cannot go on), the finished one keeps its status."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
-    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    experiment = client.create_experiment("e")
+    run_id = client.create_run(experiment).info.run_id
+    running, finished = (client.create_run(experiment, tags={tracking.PARENT_TAG: run_id}).info.run_id
+                         for _ in range(2))
+    client.set_terminated(finished, "FINISHED")
     raised = {"fails": RuntimeError("boom"), "stopped": JobStopped("stopped by SIGTERM")}.get(outcome)
     with pytest.raises(type(raised)) if raised else nullcontext(), tracking.ending_run(uri, run_id) as result:
         if raised:
@@ -55,6 +61,9 @@ def test_ending_run_sets_the_status_of_how_the_block_ended(tmp_path, outcome, st
     run = client.get_run(run_id)
     assert run.info.status == status
     assert run.data.tags.get(tracking.STOPPED_TAG) == ("stopped by SIGTERM" if outcome == "stopped" else None)
+    assert run.data.tags.get(tracking.ERROR_TAG) == ("RuntimeError: boom" if outcome == "fails" else None)
+    assert client.get_run(running).info.status == ("RUNNING" if outcome == "succeeds" else "KILLED")
+    assert client.get_run(finished).info.status == "FINISHED"
 
 
 def test_local_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):

@@ -127,10 +127,11 @@ def _children(uri: str, experiment: str) -> list:
     return [r for r in client.search_runs([found.experiment_id]) if tracking.PARENT_TAG in r.data.tags]
 
 
-def test_a_sweep_driver_killed_mid_sweep_resumes_into_the_same_parent(ray_instance, tiny_dataset, tmp_path):
-    """Two trials drawn by Optuna, one at a time: the driver (a `pairsim tune` process on the session's Ray
-    instance) is SIGKILLed once one trial has ended and the next one is training; `--resume`
-    finishes the sweep."""
+def test_a_sweep_driver_stopped_mid_sweep_resumes_into_the_same_parent(ray_instance, tiny_dataset, tmp_path):
+    """Two trials drawn by Optuna, one at a time: the driver (a `pairsim tune` process on the
+    session's Ray instance) gets SIGTERM (`ray job stop`, `kill`) once one trial has ended and the
+    next one is training: the parent and the trial it interrupted end KILLED, not RUNNING;
+    `--resume` finishes the sweep."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "killed.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"loss.margin": {"uniform": [0.05, 0.3]}},
@@ -149,11 +150,17 @@ def test_a_sweep_driver_killed_mid_sweep_resumes_into_the_same_parent(ray_instan
             break
         time.sleep(3)
     assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
+    os.kill(first.pid, signal.SIGTERM)
+    assert first.wait(timeout=120) == 128 + signal.SIGTERM, (tmp_path / "first.log").read_text()[-3000:]
     before = {c.data.tags[tracking.RUN_NAME_TAG]: c for c in _children(uri, "killed")}
-    ended = {name: c for name, c in before.items() if c.info.status != "RUNNING"}
-    assert len(before) == 2 and len(ended) == 1
+    stopped = {name: c for name, c in before.items() if tracking.STOPPED_TAG in c.data.tags}
+    ended = {name: c for name, c in before.items() if name not in stopped}
+    assert [c.info.status for c in stopped.values()] == ["KILLED"], (tmp_path / "first.log").read_text()[-3000:]
+    assert [c.info.status for c in ended.values()] == ["FINISHED"]
+    client = MlflowClient(uri)
+    [parent] = client.search_runs([client.get_experiment_by_name("killed").experiment_id],
+                                  filter_string=f"tags.`{tracking.SWEEP_TAG}` = 'killed'")
+    assert parent.info.status == "KILLED"
 
     resumed = subprocess.run(command + ["--resume", "killed"], env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]

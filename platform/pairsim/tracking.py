@@ -158,6 +158,10 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
         run = found[0]
         client.update_run(run.info.run_id, status="RUNNING")
         attempt = int(run.data.tags.get("pairsim.attempts", "1")) + 1
+        for ended_by in (ERROR_TAG, STOPPED_TAG):  # how the last attempt ended: kept under its number
+            if ended_by in run.data.tags:
+                client.set_tag(run.info.run_id, f"{ended_by}.attempt{attempt - 1}", run.data.tags[ended_by])
+                client.delete_tag(run.info.run_id, ended_by)
         flat = {k: _param(k, v).value for k, v in cfg.flat().items()}
         new_params = {k: v for k, v in flat.items() if k not in run.data.params}
         changed = sorted(k for k, v in flat.items() if k in run.data.params and run.data.params[k] != v)
@@ -275,6 +279,7 @@ def system_metrics_monitor(tracking_uri: str, run_id: str, interval_s: float) ->
 
 
 STOPPED_TAG = "pairsim.stopped_by"  # on a run ended KILLED: what stopped it
+ERROR_TAG = "pairsim.error"  # on a run ended FAILED: the exception
 
 
 @dataclass
@@ -288,7 +293,9 @@ class Outcome:
 def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
     """Ends ``run_id`` when the block exits: FINISHED if it set ``succeeded``; KILLED, tagged
     ``pairsim.stopped_by``, when a ``KeyboardInterrupt`` stopped it (Ctrl-C, or
-    :class:`pairsim.jobs.JobStopped` on SIGTERM), which propagates; FAILED otherwise."""
+    :class:`pairsim.jobs.JobStopped` on SIGTERM), which propagates; FAILED otherwise, tagged
+    ``pairsim.error`` with the exception. Child runs still RUNNING (a sweep's trials) end with
+    a KILLED or FAILED parent, as KILLED: none of them goes on without it."""
     outcome, status, tags = Outcome(), "FAILED", {}
     try:
         yield outcome
@@ -297,8 +304,21 @@ def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
     except KeyboardInterrupt as exc:
         status, tags = "KILLED", {STOPPED_TAG: str(exc) or "KeyboardInterrupt"}
         raise
+    except Exception as exc:
+        tags = {ERROR_TAG: error_text(exc)}
+        raise
     finally:
+        if status != "FINISHED":
+            for child in child_runs(tracking_uri, run_id):
+                if child.info.status == "RUNNING":
+                    set_run_status(tracking_uri, child.info.run_id, "KILLED",
+                                   {STOPPED_TAG: f"its parent run ended {status}"})
         set_run_status(tracking_uri, run_id, status, tags)
+
+
+def error_text(exc: BaseException) -> str:
+    """``pairsim.error``'s value: the exception's type and message (MLflow keeps 5000 characters of a tag)."""
+    return f"{type(exc).__name__}: {exc}"[:5000]
 
 
 TRANSIENT_ERROR_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "RESOURCE_EXHAUSTED", "REQUEST_LIMIT_EXCEEDED"}

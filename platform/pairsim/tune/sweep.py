@@ -78,7 +78,7 @@ def run_trial(point: dict[str, Any], job: TrialJob) -> None:
         run_id = tracking.find_run(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_name)
         if run_id:
             tracking.set_run_status(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_id, "FAILED",
-                                    {results.STATUS_TAG: "failed", "pairsim.error": f"{type(exc).__name__}: {exc}"[:5000]})
+                                    {results.STATUS_TAG: "failed", tracking.ERROR_TAG: tracking.error_text(exc)})
         raise
 
 
@@ -119,7 +119,7 @@ class SweepProgress(tune.Callback):
         self.ended[trial.trial_id] = status
         run_id = tracking.find_run(self.tracking_uri, trial_run_name(self.name, trial.trial_id))
         if run_id:
-            tags = {results.STATUS_TAG: status.replace(" ", "_")} | ({"pairsim.error": error[:5000]} if error else {})
+            tags = {results.STATUS_TAG: status.replace(" ", "_")} | ({tracking.ERROR_TAG: error[:5000]} if error else {})
             tracking.set_run_status(self.tracking_uri, run_id, results.MLFLOW_STATUS[status], tags)
         row = results.TrialRow(trial.trial_id, status, self.epochs.get(trial.trial_id, 0), dict(trial.config),
                                self.best.get(trial.trial_id), run_id, error)
