@@ -88,6 +88,17 @@ def step_images(client, run_id: str) -> set[tuple[str, int]]:
             if name.endswith(".png")}
 
 
+STEPS_PER_EPOCH = 256 * 2 // (16 * 2)  # tiny_dataset's train split, 2 captions per image, 2 workers × 16
+
+
+def e2e_overrides(dataset, work, *extra) -> list[str]:
+    """The demo config's overrides of the end-to-end runs: ``dataset`` (:func:`tiny_dataset`),
+    2 captions per image, 16 a worker, MLflow and checkpoints under ``work``."""
+    return [f"data.path={dataset}", "data.pairs_per_image=2", "train.micro_batch_size=16", "train.log_every_n_steps=2",
+            "optim.warmup_steps=4", "optim.lr=1e-3", "optim.min_lr_ratio=0.5", "eval.batch_size=64",
+            f"tracking.tracking_uri=sqlite:///{work}/mlflow.db", f"ray.storage_path={work}/ray", *extra]
+
+
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """256 train / 48 val / 32 test shapes scenes at 64 px, train in uneven shards (100, 100, 56 rows)."""

@@ -81,7 +81,7 @@ def job_source(tmp_path: Path) -> Path:
         shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     synth.generate(src / "shapes", num_train=2400, num_val=48, num_test=32, progress=False)
     (src / "run.yaml").write_text(yaml.safe_dump({
-        "data": {"path": "shapes"}, "train": {"epochs": 3, "micro_batch_size": 16},
+        "data": {"path": "shapes"}, "train": {"epochs": 2, "micro_batch_size": 16},
         "ray": {"run_name": "submitted", "storage_path": str(tmp_path / "ray_results")},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}}))
     return src
@@ -155,7 +155,7 @@ def test_a_submitted_job_ships_pairsim_resolves_its_paths_stops_killed_and_resum
 
     resumed = submit(ray_bin, address, src, elsewhere, job_id="again")
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
-    assert re.search(r"resumed from checkpoint: epoch [23]", resumed.stdout), resumed.stdout[-4000:]
+    assert re.search(r"resumed from checkpoint: epoch 2", resumed.stdout), resumed.stdout[-4000:]
     assert "image→text" in resumed.stdout  # the results table
     [run] = client.search_runs([client.get_experiment_by_name("pairsim").experiment_id])  # the same run
     assert run.info.status == "FINISHED" and run.info.run_name == "submitted"

@@ -189,6 +189,7 @@ def _tree(root: Path) -> dict[str, bytes]:
             if p.is_file() and (p.suffix in (".parquet", ".jsonl") or p.name == shards.MANIFEST)}
 
 
+@pytest.mark.slow  # a Ray instance: order-dependent beside tests that want none
 def test_shards_built_into_a_bucket_equal_a_local_build(ray_instance, bucket, tmp_path):
     source = _folder_source(tmp_path / "src", 12)
     options = dict(format="folder", input=source, rows_per_shard=5, val_share=0.25, max_reject_share=0.5)

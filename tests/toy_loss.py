@@ -42,3 +42,21 @@ class UnstableCosineHinge(CosineHinge):
     def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
         rows = super().rows(sim, targets, ignore)
         return rows * float("nan") if self.cos_margin > 1 else rows
+
+
+@BASE_LOSSES.register("cos_hinge_nan_after")
+class CosineHingeNanAfter(CosineHinge):
+    """The hinge until its ``finite_calls``-th call, non-finite from then on: a run whose
+    numerics blow up part way (a fault injected at a known step)."""
+
+    class Params(CosineHinge.Params):
+        finite_calls: int = Field(0, ge=0, description="calls that give finite values")
+
+    def __init__(self, cos_margin: float = 0.3, finite_calls: int = 0):
+        super().__init__(cos_margin)
+        self.finite_calls, self.calls = finite_calls, 0
+
+    def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        rows = super().rows(sim, targets, ignore)
+        return rows if self.calls <= self.finite_calls else rows * float("nan")

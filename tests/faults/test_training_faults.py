@@ -1,0 +1,240 @@
+"""Faults injected into real training runs (2 Ray Train workers, DeepSpeed ZeRO-2, Ray Data,
+an MLflow store), each ending with what must hold: no finished epoch, checkpoint or metric lost,
+nothing logged twice, and a clear message naming what went wrong.
+
+The README's table "What pairsim survives" lists these with the other faults' tests."""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+import toy_loss  # noqa: F401  (registers cos_hinge_nan_after here; workers import it from the pickled config)
+from conftest import STEPS_PER_EPOCH, e2e_overrides, start_mlflow_server, unused_port
+from pairsim import log, tracking
+from pairsim.cli import DEMO_CONFIG, main
+from pairsim.config import load_config
+from pairsim.losses import build_objective
+from pairsim.train import checkpoints, driver
+
+pytestmark = pytest.mark.slow
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints that both ranks finished writing, oldest first."""
+    return sorted(p for p in run_dir.glob("checkpoint_*")
+                  if len(list((p / checkpoints.CHECKSUMS_DIR).glob("rank_*.json"))) == 2)
+
+
+def registered(run_dir: Path) -> set[str]:
+    """The checkpoints Ray Train's record of the run names."""
+    try:
+        record = json.loads((run_dir / checkpoints.RAY_SNAPSHOT).read_text())
+    except (FileNotFoundError, ValueError):  # not written yet, or being written
+        return set()
+    return {result["checkpoint_dir_name"] for result in record["checkpoint_results"]}
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, output: Path, timeout: float = 600):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{output.read_text()[-4000:]}"
+        assert time.time() < deadline, f"no {what} in {timeout} s:\n{output.read_text()[-4000:]}"
+        time.sleep(1)
+
+
+def steps_logged_twice(client: MlflowClient, run_id: str) -> dict[str, list[int]]:
+    twice = {}
+    for key in client.get_run(run_id).data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        if not key.startswith("system/") and len(steps) != len(set(steps)):
+            twice[key] = sorted(s for s in set(steps) if steps.count(s) > 1)
+    return twice
+
+
+def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_work(ray_instance, tiny_dataset,
+                                                                                     tmp_path, capfd):
+    """`pairsim train` (its own local Ray instance, 3 epochs, ray.max_failures=1): a training
+    worker is SIGKILLed after epoch 1's checkpoint (Ray Train restarts the group from it), the
+    driver is SIGKILLed after epoch 2's (with the Ray instance it started), and epoch 2's
+    checkpoint is then deleted by hand (Ray Train refused such a run directory). The re-run
+    resumes from epoch 1's checkpoint into the same MLflow run and finishes, with every metric
+    step logged once. Then the newest checkpoint's model states are altered on disk: a run
+    extended to a 4th epoch reports it, skips it and resumes from the one before."""
+    run_dir = tmp_path / "ray" / "faults"
+    args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=3", "data.test_split=null")
+    first_log = tmp_path / "first.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}  # SIGKILL ahead
+    first = subprocess.Popen([sys.executable, "-m", "pairsim.cli", "train", "--config", str(DEMO_CONFIG),
+                              *(f"--set={a}" for a in args), "--set=ray.max_failures=1"],
+                             env=env, cwd=tmp_path, stdout=first_log.open("w"), stderr=subprocess.STDOUT)
+    tree = psutil.Process(first.pid)
+    try:
+        wait_for(lambda: len(complete_checkpoints(run_dir)) == 1, "checkpoint of epoch 1", first, first_log)
+        [worker, *_] = [p for p in tree.children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
+        worker.kill()
+        wait_for(lambda: len(complete_checkpoints(run_dir)) == 2 and complete_checkpoints(run_dir)[-1].name in
+                 registered(run_dir), "epoch 2's checkpoint in Ray Train's record", first, first_log)
+    finally:
+        instance = tree.children(recursive=True)  # the local Ray instance the driver started
+        first.kill()  # SIGKILL: no handler runs, the MLflow run stays RUNNING
+        first.wait()
+    for proc in instance:  # what is still up of it (Ray's agents outlive their raylet for a while)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(instance, timeout=60)
+    first_out = first_log.read_text()
+    assert "resumed from checkpoint: epoch 2, step 16" in first_out, first_out[-4000:]  # the worker group's restart
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = tracking.find_run(uri, "faults")
+    assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
+
+    epoch1, epoch2 = complete_checkpoints(run_dir)
+    shutil.rmtree(epoch2)
+    log.setup()  # the driver's own messages on stderr, as the command line has them
+    capfd.readouterr()
+    result = driver.fit(load_config(DEMO_CONFIG, [*args, "ray.max_failures=1"]))
+    out = "".join(capfd.readouterr())
+    assert f"Ray Train's record of the run names checkpoints that are gone ({epoch2.name})" in out
+    assert "resumed from checkpoint: epoch 2, step 16" in out
+    assert result.mlflow_run_id == run_id and result.metrics["step"] == 3 * STEPS_PER_EPOCH
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["pairsim.attempts"] == "2"
+    assert steps_logged_twice(client, run_id) == {}
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == \
+        list(range(2, 3 * STEPS_PER_EPOCH + 1, 2))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val/rsum")) == \
+        [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH]
+    assert main(["checkpoints", "verify", str(run_dir)]) == 0 and epoch1.is_dir()
+
+    newest = complete_checkpoints(run_dir)[-1]  # epoch 3's: its model states altered on disk
+    states = newest / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    states.write_bytes(bytes(data))
+    assert main(["checkpoints", "verify", str(run_dir)]) == 1
+    capfd.readouterr()
+    longer = driver.fit(load_config(DEMO_CONFIG, [*args, "train.epochs=4"]))
+    out = "".join(capfd.readouterr())
+    assert f"checkpoint {newest} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
+           "differs from its checksum" in out
+    assert f"resumed from checkpoint: epoch 3, step {2 * STEPS_PER_EPOCH}" in out
+    assert longer.mlflow_run_id == run_id and longer.metrics["step"] == 4 * STEPS_PER_EPOCH
+    assert steps_logged_twice(client, run_id) == {}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 150 MiB tmpfs: room for one checkpoint of the tiny model (~100 MiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_the_run_resumes(ray_instance, tiny_dataset, tmp_path,
+                                                                                small_disk, capfd):
+    """Checkpoints go to a disk with room for one: epoch 2's save fails, the run stops FAILED
+    naming the full disk, epoch 1's checkpoint still verifies; with room made (the tmpfs
+    grown), the re-run skips what the failed save left and resumes from epoch 1."""
+    args = [*e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=full", "train.epochs=2", "data.test_split=null"),
+            f"ray.storage_path={small_disk}"]
+    with pytest.raises(Exception) as failed:
+        driver.fit(load_config(DEMO_CONFIG, args))
+    assert "No space left on device" in str(failed.value) + "".join(capfd.readouterr())
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.get_run(tracking.find_run(uri, "full"))
+    assert run.info.status == "FAILED"
+    run_dir = small_disk / "full"
+    kept = [p for p in run_dir.glob("checkpoint_*") if p.is_dir() and not checkpoints.verify_checkpoint(p)]
+    assert len(kept) == 1 and checkpoints.checkpoint_card(kept[0])["epoch"] == 1
+
+    subprocess.run(["mount", "-o", "remount,size=600m", str(small_disk)], check=True)
+    capfd.readouterr()
+    result = driver.fit(load_config(DEMO_CONFIG, args))
+    out = "".join(capfd.readouterr())
+    assert "resumed from checkpoint: epoch 2" in out
+    assert result.mlflow_run_id == run.info.run_id and result.metrics["step"] == 2 * STEPS_PER_EPOCH
+    resumed = client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED" and tracking.ERROR_TAG not in resumed.data.tags
+    assert "No space left on device" in resumed.data.tags[f"{tracking.ERROR_TAG}.attempt1"]
+    assert steps_logged_twice(client, run.info.run_id) == {}
+
+
+def test_a_nan_loss_stops_the_run_naming_its_step_and_keeps_the_last_checkpoint(ray_instance, tiny_dataset, tmp_path):
+    """A loss that turns NaN at epoch 2's 4th step: the run stops there (no further step
+    trains on NaN weights), FAILED in MLflow with the step named; epoch 1's checkpoint verifies."""
+    probe = build_objective(load_config(None, ["loss.base=cos_hinge_nan_after", "loss.finite_calls=1000"]).loss)
+    features = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
+    probe(image=features, text=features, group_ids=torch.arange(8))
+    calls_per_step = probe.structure.base.calls
+    bad_step = STEPS_PER_EPOCH + 4
+    args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=nan", "train.epochs=2", "data.test_split=null",
+                         "loss.base=cos_hinge_nan_after", f"loss.finite_calls={calls_per_step * (bad_step - 1)}")
+    with pytest.raises(Exception) as failed:
+        driver.fit(load_config(DEMO_CONFIG, args))
+    assert f"epoch 2 step {bad_step}: non-finite loss terms" in str(failed.value)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run = MlflowClient(uri).get_run(tracking.find_run(uri, "nan"))
+    assert run.info.status == "FAILED" and f"epoch 2 step {bad_step}" in run.data.tags[tracking.ERROR_TAG]
+    logged = sorted(m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "train/loss"))
+    assert logged == list(range(2, bad_step, 2))  # the buffered curve reached MLflow before the worker died
+    [kept] = complete_checkpoints(tmp_path / "ray" / "nan")
+    assert not checkpoints.verify_checkpoint(kept) and checkpoints.checkpoint_card(kept)["epoch"] == 1
+
+
+def test_an_mlflow_server_gone_mid_run_loses_no_metric(ray_instance, tiny_dataset, tmp_path, capfd):
+    """Training logs to an `mlflow server` that is stopped once epoch 1's checkpoint exists and
+    started again 20 s later: training goes on without it, and the run ends FINISHED with
+    every step's metrics there, each once."""
+    root, port = tmp_path / "mlflow", unused_port()
+    root.mkdir()
+    servers = [start_mlflow_server(root, port)]
+    uri = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "ray" / "outage"
+
+    def outage():
+        deadline = time.time() + 600
+        while not complete_checkpoints(run_dir) and time.time() < deadline:
+            time.sleep(0.5)
+        servers[0].terminate()  # its worker process with it (SIGKILL would leave that one serving)
+        servers[0].wait()
+        time.sleep(20)
+        servers.append(start_mlflow_server(root, port))
+
+    killer = threading.Thread(target=outage, daemon=True)
+    killer.start()
+    try:
+        result = driver.fit(load_config(DEMO_CONFIG, e2e_overrides(
+            tiny_dataset, tmp_path, "ray.run_name=outage", "train.epochs=2", "data.test_split=null",
+            f"tracking.tracking_uri={uri}")))
+        killer.join(timeout=300)
+        assert len(servers) == 2, "the server was not restarted"
+        client = MlflowClient(uri)
+        run = client.get_run(result.mlflow_run_id)
+        assert run.info.status == "FINISHED"
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == \
+            list(range(2, 2 * STEPS_PER_EPOCH + 1, 2))
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/rsum")) == \
+            [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+        assert "MLflow cannot be reached" in "".join(capfd.readouterr())
+    finally:
+        for server in servers:
+            server.terminate()
+            server.wait()
