@@ -7,6 +7,7 @@ import yaml
 import pairsim.cli
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import ConfigError, RunConfig, load_config
+from pairsim.train import driver
 
 
 def write(tmp_path, tree):
@@ -67,23 +68,27 @@ def test_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_cli_reports_config_errors_before_ray_starts(tmp_path, capsys):
-    import ray
+@pytest.fixture
+def ray_never_starts(monkeypatch):
+    """The command must stop before Ray: reaching ``init_ray`` (which starts or joins an
+    instance) fails the test — whether or not another test left the session's instance up."""
+    def reached(*args, **kwargs):
+        raise AssertionError("init_ray was reached: the config error came after Ray started")
 
+    monkeypatch.setattr(driver, "init_ray", reached)
+
+
+def test_cli_reports_config_errors_before_ray_starts(tmp_path, capsys, ray_never_starts):
     path = write(tmp_path, {"train": {"num_workers": 0}})
     assert main(["train", "--config", str(path)]) == 2
     assert "train.num_workers" in capsys.readouterr().err
-    assert not ray.is_initialized()
 
 
-def test_missing_dataset_is_named_before_ray_starts(tmp_path, capsys):
-    import ray
-
+def test_missing_dataset_is_named_before_ray_starts(tmp_path, capsys, ray_never_starts):
     path = write(tmp_path, {"data": {"path": str(tmp_path / "no-such-dataset")}})
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "data.path" in err and "no-such-dataset" in err
-    assert not ray.is_initialized()
 
 
 def test_unknown_architecture_is_named(tmp_path, tiny_dataset, capsys):
@@ -181,16 +186,13 @@ def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_datase
     (["loss.cusa={image_teacher: {kind: initial_student, arch: pairsim-tiny}}"],
      ["loss.cusa.image_teacher.arch", "initial_student"]),
 ])
-def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, names):
-    import ray
-
+def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, names, ray_never_starts):
     path = write(tmp_path, {"train": {"epochs": 1}})
     assert main(["train", "--config", str(path), *(a for o in overrides for a in ("--set", o))]) == 2
     err = capsys.readouterr().err
     key = names[0]
     lines = [line.strip() for line in err.splitlines() if line.strip().startswith(key)]
     assert lines and all(n in lines[0] for n in names), err
-    assert not ray.is_initialized()
 
 
 def test_param_of_another_loss_names_the_chosen_ones_parameters():
