@@ -6,7 +6,7 @@ import it when they unpickle a config naming it — and the import registers it 
 import torch
 from pydantic import Field
 
-from pairsim.config import Float, Section
+from pairsim.config import Float, Int, Section
 from pairsim.losses import BaseLoss
 from pairsim.registry import BASE_LOSSES
 
@@ -50,7 +50,7 @@ class CosineHingeNanAfter(CosineHinge):
     numerics blow up part way (a fault injected at a known step)."""
 
     class Params(CosineHinge.Params):
-        finite_calls: int = Field(0, ge=0, description="calls that give finite values")
+        finite_calls: Int = Field(0, ge=0, description="calls that give finite values")
 
     def __init__(self, cos_margin: float = 0.3, finite_calls: int = 0):
         super().__init__(cos_margin)

@@ -63,10 +63,7 @@ def start_local_instance(listen_on_all_interfaces: bool = False, **init_kwargs) 
     metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
     ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
     init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | init_kwargs.get("runtime_env", {})
-    if listen_on_all_interfaces:
-        ray.init(**init_kwargs)
-        return
-    with _node_on_loopback():
+    with contextlib.nullcontext() if listen_on_all_interfaces else _node_on_loopback():
         ray.init(**init_kwargs)
 
 
