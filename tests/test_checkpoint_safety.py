@@ -119,6 +119,27 @@ def test_checksums_catch_a_changed_missing_or_partial_checkpoint(tmp_path):
     assert "not a complete pairsim checkpoint" in checkpoints.verify_checkpoint(oldest.path)[0]
 
 
+def test_resume_skips_failed_saves_and_refuses_only_damaged_finished_work(tmp_path):
+    """A save that failed part way (not registered by Ray Train) is skipped — resume from the
+    one before, or from step 0 when it was the first; a damaged checkpoint Ray Train had
+    registered, with none good left, refuses the run instead of redoing it."""
+    run = storage.Location.of(fake_run(tmp_path, epochs=3))
+    first, second, third = sorted(Path(c.path) for c in checkpoints.checkpoints_in(run))
+    (third / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_1.pt").unlink()  # copy cut short: a worker lost
+    assert checkpoints.resume_point(run, registered_through=second.name).name == second.name
+    assert checkpoints.resume_point(run).name == second.name  # Ray Train's record lost: the newest that verifies
+    shutil.rmtree(second / checkpoints.CHECKSUMS_DIR)  # saved before pairsim kept checksums
+    assert checkpoints.resume_point(run, registered_through=second.name).name == second.name
+    assert checkpoints.resume_point(run, registered_through=first.name).name == first.name  # a failed save
+    (first / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")
+    with pytest.raises(RuntimeError, match=f"Ray Train had registered {first.name} .*move the run directory aside"):
+        checkpoints.resume_point(run, registered_through=first.name)
+    assert checkpoints.resume_point(run) is None  # nothing registered: every one a failed save, start over
+    shutil.rmtree(first)
+    shutil.rmtree(second)
+    assert checkpoints.resume_point(run, registered_through=first.name) is None  # the registered one was deleted
+
+
 def test_checkpoints_cli_lists_and_verifies(tmp_path, capsys):
     run = fake_run(tmp_path)
     assert main(["checkpoints", "verify", str(run)]) == 0

@@ -9,7 +9,7 @@ Loading never runs code from a checkpoint: every ``.pt`` file is opened with
 ``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own loader, which
 unpickles freely. :func:`verify_checkpoint` checks files, checksums and that every rank's part
 is there; on resume the newest checkpoint that passes is used and newer ones that fail are
-reported and skipped (:func:`restore`); ``pairsim checkpoints list|verify`` shows the same.
+reported and skipped (:func:`resume_point`); ``pairsim checkpoints list|verify`` shows the same.
 :func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
 weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
 ``model.heads.pt`` and ``model.json``.
@@ -164,36 +164,53 @@ def set_aside_stale_snapshot(run: storage.Location) -> None:
                        "as %s", run, ", ".join(gone), aside.name)
 
 
+def resume_point(run: storage.Location, registered_through: str = "") -> storage.Location | None:
+    """The checkpoint of ``run`` to resume from: the newest that passes :func:`verify_checkpoint`
+    (newer ones that fail are reported and skipped), or None — start at step 0 — when there is
+    none or every one is a save that failed part way: not registered by Ray Train (a worker lost
+    while Ray copied its files, a full disk). Ray Train's record is not what decides: a worker
+    lost after its checkpoint was written but before Ray Train registered it (or a record set
+    aside by :func:`set_aside_stale_snapshot`) would send the run back to an older one.
+
+    ``registered_through`` is the name of the newest checkpoint Ray Train registered (names sort
+    by time): one at or before it was finished work. A registered checkpoint without checksums
+    (saved before pairsim wrote them) is trusted; when registered ones exist and none passes, the
+    run is refused rather than redone from the start."""
+    damaged = []
+    for candidate in checkpoints_in(run):
+        with candidate.local_copy() as ckpt_dir:
+            problems = verify_checkpoint(ckpt_dir)
+        registered = candidate.name <= registered_through
+        if not problems or (registered and problems[0].startswith(f"no {CHECKSUMS_DIR}/")):
+            return candidate
+        logger.warning("checkpoint %s is skipped: %s", candidate, "; ".join(problems))
+        if registered:
+            damaged.append(candidate.name)
+    if damaged:
+        raise RuntimeError(f"no checkpoint of {run} passes verification, and Ray Train had registered "
+                           f"{', '.join(damaged)} (each is listed above); move the run directory aside to start over")
+    return None
+
+
 def restore(engine, run_dir: str) -> tuple[int, int]:
-    """(first epoch to run, global step) from the newest checkpoint in ``run_dir`` (the run's
-    directory, a path or URI) that passes :func:`verify_checkpoint` — rank 0 checks, every rank
-    loads its choice; newer ones that fail are reported and skipped — or (0, 0) when there is
-    none. Ray Train's own record is not what decides: a worker lost after its checkpoint was
-    written but before Ray Train registered it (or a record set aside by
-    :func:`set_aside_stale_snapshot`) would send the run back to an older one, or to the start.
-    A checkpoint without checksums (saved before pairsim wrote them) is trusted only if Ray Train
-    registered it or one after it; a newer one is a save that failed part way (a full disk)."""
+    """Load ``engine`` from :func:`resume_point` (rank 0 chooses, every rank loads its choice) and
+    return (first epoch to run, global step), or (0, 0) when there is nothing to resume."""
     latest = ray.train.get_checkpoint()
-    registered_through = Path(latest.path).name if latest else ""  # checkpoint names sort by time
-    candidates = [ray.train.Checkpoint(c.path, filesystem=c.fs) for c in checkpoints_in(storage.Location.of(run_dir))]
-    if not candidates:
-        return 0, 0
-    choice = [None]
+    run = storage.Location.of(run_dir)
+    choice: list[str | None] = [None]  # the checkpoint's name, or "!" + why the run cannot resume
     if dist.rank() == 0:
-        for index, candidate in enumerate(candidates):
-            with candidate.as_directory() as ckpt_dir:
-                problems = verify_checkpoint(ckpt_dir)
-            registered = Path(candidate.path).name <= registered_through
-            if not problems or (registered and problems[0].startswith(f"no {CHECKSUMS_DIR}/")):
-                choice = [index]
-                break
-            logger.warning("checkpoint %s is skipped: %s", candidate.path, "; ".join(problems))
+        try:
+            point = resume_point(run, Path(latest.path).name if latest else "")
+            choice = [point and point.name]
+        except RuntimeError as exc:
+            choice = [f"!{exc}"]
     if dist.world_size() > 1:
         torch.distributed.broadcast_object_list(choice, src=0)
     if choice[0] is None:
-        raise RuntimeError(f"no checkpoint of {run_dir} passes verification (each is listed above); move the run "
-                           "directory aside to start over")
-    with candidates[choice[0]].as_directory() as ckpt_dir:
+        return 0, 0
+    if choice[0].startswith("!"):
+        raise RuntimeError(choice[0][1:])
+    with (run / choice[0]).local_copy() as ckpt_dir:
         verify_checkpoint_files(ckpt_dir)
         _, client_state = engine.load_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG)
         dist.barrier()
