@@ -6,6 +6,7 @@ The README's table "What pairsim survives" lists these with the other faults' te
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -30,10 +31,17 @@ from pairsim.train import checkpoints, driver
 pytestmark = pytest.mark.slow
 
 
+_VERIFIED: set[Path] = set()
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoints that both ranks finished writing, oldest first."""
-    return sorted(p for p in run_dir.glob("checkpoint_*")
-                  if len(list((p / checkpoints.CHECKSUMS_DIR).glob("rank_*.json"))) == 2)
+    """The run's checkpoints whose files both ranks wrote and Ray Train finished copying (it
+    copies them in no set order: checksums can be there before what they sum), oldest first."""
+    for p in run_dir.glob("checkpoint_*"):
+        if p not in _VERIFIED and len(list((p / checkpoints.CHECKSUMS_DIR).glob("rank_*.json"))) == 2 \
+                and not checkpoints.verify_checkpoint(p):
+            _VERIFIED.add(p)
+    return sorted(p for p in _VERIFIED if p.parent == run_dir and p.is_dir())
 
 
 def registered(run_dir: Path) -> set[str]:
@@ -45,9 +53,27 @@ def registered(run_dir: Path) -> set[str]:
     return {result["checkpoint_dir_name"] for result in record["checkpoint_results"]}
 
 
-def wait_for(condition, what: str, proc: subprocess.Popen, output: Path, timeout: float = 600):
+@pytest.fixture(autouse=True)
+def pairsim_messages():
+    """pairsim's messages on stderr at INFO, in the driver and (given its level) the workers,
+    whichever test ran before; the logger as it was afterwards."""
+    logger = logging.getLogger("pairsim")
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    log.setup("INFO")
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    logger.propagate = propagate
+
+
+def wait_for(condition, what: str, proc: subprocess.Popen, output: Path, started: set[psutil.Process],
+             timeout: float = 600):
+    """Poll ``condition`` each second while ``proc`` runs; ``started`` collects the processes
+    it starts (a Ray instance), to be stopped even if ``proc`` ends first."""
     deadline = time.time() + timeout
     while not condition():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            started.update(psutil.Process(proc.pid).children(recursive=True))
         assert proc.poll() is None, f"the run ended before {what}:\n{output.read_text()[-4000:]}"
         assert time.time() < deadline, f"no {what} in {timeout} s:\n{output.read_text()[-4000:]}"
         time.sleep(1)
@@ -78,21 +104,23 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     first = subprocess.Popen([sys.executable, "-m", "pairsim.cli", "train", "--config", str(DEMO_CONFIG),
                               *(f"--set={a}" for a in args), "--set=ray.max_failures=1"],
                              env=env, cwd=tmp_path, stdout=first_log.open("w"), stderr=subprocess.STDOUT)
-    tree = psutil.Process(first.pid)
+    instance: set[psutil.Process] = set()  # the local Ray instance the driver starts
     try:
-        wait_for(lambda: len(complete_checkpoints(run_dir)) == 1, "checkpoint of epoch 1", first, first_log)
-        [worker, *_] = [p for p in tree.children(recursive=True) if "RayTrainWorker" in " ".join(p.cmdline())]
+        wait_for(lambda: len(complete_checkpoints(run_dir)) == 1, "checkpoint of epoch 1", first, first_log, instance)
+        [worker, *_] = [p for p in psutil.Process(first.pid).children(recursive=True)
+                        if "RayTrainWorker" in " ".join(p.cmdline())]
         worker.kill()
         wait_for(lambda: len(complete_checkpoints(run_dir)) == 2 and complete_checkpoints(run_dir)[-1].name in
-                 registered(run_dir), "epoch 2's checkpoint in Ray Train's record", first, first_log)
+                 registered(run_dir), "epoch 2's checkpoint in Ray Train's record", first, first_log, instance)
     finally:
-        instance = tree.children(recursive=True)  # the local Ray instance the driver started
+        with contextlib.suppress(psutil.NoSuchProcess):
+            instance.update(psutil.Process(first.pid).children(recursive=True))
         first.kill()  # SIGKILL: no handler runs, the MLflow run stays RUNNING
         first.wait()
-    for proc in instance:  # what is still up of it (Ray's agents outlive their raylet for a while)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(instance, timeout=60)
+        for proc in instance:  # what is still up of it (Ray's agents outlive their raylet for a while)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(instance, timeout=60)
     first_out = first_log.read_text()
     assert "resumed from checkpoint: epoch 2, step 16" in first_out, first_out[-4000:]  # the worker group's restart
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -101,7 +129,6 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
 
     epoch1, epoch2 = complete_checkpoints(run_dir)
     shutil.rmtree(epoch2)
-    log.setup()  # the driver's own messages on stderr, as the command line has them
     capfd.readouterr()
     result = driver.fit(load_config(DEMO_CONFIG, [*args, "ray.max_failures=1"]))
     out = "".join(capfd.readouterr())
