@@ -140,6 +140,29 @@ def test_resume_skips_failed_saves_and_refuses_only_damaged_finished_work(tmp_pa
     assert checkpoints.resume_point(run, registered_through=first.name) is None  # the registered one was deleted
 
 
+def test_the_best_checkpoint_is_chosen_from_every_card_and_must_verify(tmp_path):
+    """Every checkpoint of the run directory competes by its card's val metric (Ray Train's
+    record may rank only some); a better one that fails verification is skipped."""
+    run = storage.Location.of(fake_run(tmp_path, epochs=3))  # cards: val/rsum 101, 102, 103
+    first, second, third = sorted(Path(c.path) for c in checkpoints.checkpoints_in(run))
+    with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, local):
+        assert best.name == third.name and checkpoints.checkpoint_card(local)["epoch"] == 3
+    with checkpoints.best_checkpoint(run, "val/rsum", "min") as (best, _):
+        assert best.name == first.name
+    (third / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")
+    with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, _):
+        assert best.name == second.name
+    card = json.loads((first / checkpoints.CARD_FILE).read_text())
+    (first / checkpoints.CARD_FILE).write_text(json.dumps(card | {"val": {"val/rsum": 102.0}}))
+    shutil.rmtree(first / checkpoints.CHECKSUMS_DIR)
+    checkpoints.write_checksums(first, 0, 1)  # the card changed: sums again, as one rank
+    with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, _):
+        assert best.name == second.name  # a tie goes to the newer
+    with pytest.raises(FileNotFoundError, match="no checkpoint of .* with a finite val/r1 passes"):
+        with checkpoints.best_checkpoint(run, "val/r1", "max"):
+            pass
+
+
 def test_checkpoints_cli_lists_and_verifies(tmp_path, capsys):
     run = fake_run(tmp_path)
     assert main(["checkpoints", "verify", str(run)]) == 0

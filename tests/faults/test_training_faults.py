@@ -144,6 +144,9 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     assert sorted(m.step for m in client.get_metric_history(run_id, "val/rsum")) == \
         [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH]
     assert main(["checkpoints", "verify", str(run_dir)]) == 0 and epoch1.is_dir()
+    cards = [checkpoints.checkpoint_card(p) for p in complete_checkpoints(run_dir)]  # oldest first
+    best = max(reversed(cards), key=lambda card: card["val"]["val/rsum"])  # ties: the newest
+    assert run.data.tags["pairsim.best_epoch"] == str(best["epoch"])  # epoch 1 competes, unranked by Ray's new record
 
     newest = complete_checkpoints(run_dir)[-1]  # epoch 3's: its model states altered on disk
     states = newest / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"

@@ -17,11 +17,14 @@ weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weigh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import pickle
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +193,29 @@ def resume_point(run: storage.Location, registered_through: str = "") -> storage
         raise RuntimeError(f"no checkpoint of {run} passes verification, and Ray Train had registered "
                            f"{', '.join(damaged)} (each is listed above); move the run directory aside to start over")
     return None
+
+
+@contextlib.contextmanager
+def best_checkpoint(run: storage.Location, metric: str, mode: str) -> Iterator[tuple[storage.Location, Path]]:
+    """(checkpoint, local copy) of ``run``'s checkpoint whose model card has the best val
+    ``metric`` (``mode``: max or min; the newest among ties) and that passes
+    :func:`verify_checkpoint`; better ones that fail are reported and skipped. Every checkpoint in
+    the run directory competes, not only those Ray Train's record ranks (a record set aside by
+    :func:`set_aside_stale_snapshot` starts empty)."""
+    scored = []
+    for candidate in checkpoints_in(run):  # newest first, and sorted() keeps that order among ties
+        card = candidate / CARD_FILE
+        value = json.loads(card.read_text()).get("val", {}).get(metric) if card.is_file() else None
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            scored.append((value, candidate))
+    for value, candidate in sorted(scored, key=lambda scored: scored[0], reverse=mode == "max"):
+        with candidate.local_copy() as local:
+            problems = verify_checkpoint(local)
+            if not problems:
+                yield candidate, local
+                return
+        logger.warning("checkpoint %s (%s = %.2f) is skipped: %s", candidate, metric, value, "; ".join(problems))
+    raise FileNotFoundError(f"no checkpoint of {run} with a finite {metric} passes verification")
 
 
 def restore(engine, run_dir: str) -> tuple[int, int]:

@@ -73,13 +73,15 @@ def ray_storage(cfg: RunConfig) -> dict[str, Any]:
     return {"storage_path": location.path, "storage_filesystem": None if location.is_local else location.fs}
 
 
-def finish(cfg: RunConfig, result: ray.train.Result, run_id: str, tracking_uri: str) -> tuple[str, dict[str, float]]:
-    """Export the best checkpoint (by ``eval.select_metric`` on val) into the MLflow run's
-    ``model/`` and evaluate it once on the test split, when the data has one."""
-    best = result.get_best_checkpoint(selection_metric(cfg), cfg.eval.select_mode)
-    best_uri = checkpoint_uri(best)
+def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, run_id: str,
+           tracking_uri: str) -> tuple[str, dict[str, float]]:
+    """Export the best checkpoint in ``run_dir`` (by ``eval.select_metric`` on val,
+    :func:`checkpoints.best_checkpoint`) into the MLflow run's ``model/`` and evaluate it once
+    on the test split, when the data has one."""
     with tracking.RunLogger(tracking_uri, run_id) as run:  # closing it sends the buffered metrics
-        with best.as_directory() as checkpoint, tempfile.TemporaryDirectory() as tmp:
+        with checkpoints.best_checkpoint(run_dir, selection_metric(cfg), cfg.eval.select_mode) as (best, checkpoint), \
+                tempfile.TemporaryDirectory() as tmp:
+            best_uri = best.uri
             card = checkpoints.checkpoint_card(checkpoint)
             written = checkpoints.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
             for path in written:
@@ -285,7 +287,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         try:
             result = trainer.fit()
             if trial is None:
-                best_path, test_metrics = finish(cfg, result, run_id, tracking_uri)
+                best_path, test_metrics = finish(cfg, result, run_dir, run_id, tracking_uri)
             outcome.succeeded = True
         finally:
             ray.kill(ledger)
