@@ -158,6 +158,11 @@ def test_the_best_checkpoint_is_chosen_from_every_card_and_must_verify(tmp_path)
     checkpoints.write_checksums(first, 0, 1)  # the card changed: sums again, as one rank
     with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, _):
         assert best.name == second.name  # a tie goes to the newer
+    shutil.rmtree(second / checkpoints.CHECKSUMS_DIR)  # saved before pairsim kept checksums
+    with checkpoints.best_checkpoint(run, "val/rsum", "max", registered_through=third.name) as (best, _):
+        assert best.name == second.name  # trusted: Ray Train registered it
+    with checkpoints.best_checkpoint(run, "val/rsum", "max", registered_through=first.name) as (best, _):
+        assert best.name == first.name  # newer than Ray Train's record: a failed save
     with pytest.raises(FileNotFoundError, match="no checkpoint of .* with a finite val/r1 passes"):
         with checkpoints.best_checkpoint(run, "val/r1", "max"):
             pass

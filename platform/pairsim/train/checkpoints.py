@@ -167,6 +167,13 @@ def set_aside_stale_snapshot(run: storage.Location) -> None:
                        "as %s", run, ", ".join(gone), aside.name)
 
 
+def trusted(checkpoint: storage.Location, problems: list[str], registered_through: str) -> bool:
+    """Whether a checkpoint with :func:`verify_checkpoint`'s ``problems`` may be loaded: none, or
+    only that it predates checksums and Ray Train registered it (``registered_through`` is the
+    newest checkpoint it registered; names sort by time) — a newer one is a save that failed."""
+    return not problems or (checkpoint.name <= registered_through and problems[0].startswith(f"no {CHECKSUMS_DIR}/"))
+
+
 def resume_point(run: storage.Location, registered_through: str = "") -> storage.Location | None:
     """The checkpoint of ``run`` to resume from: the newest that passes :func:`verify_checkpoint`
     (newer ones that fail are reported and skipped), or None — start at step 0 — when there is
@@ -175,19 +182,16 @@ def resume_point(run: storage.Location, registered_through: str = "") -> storage
     lost after its checkpoint was written but before Ray Train registered it (or a record set
     aside by :func:`set_aside_stale_snapshot`) would send the run back to an older one.
 
-    ``registered_through`` is the name of the newest checkpoint Ray Train registered (names sort
-    by time): one at or before it was finished work. A registered checkpoint without checksums
-    (saved before pairsim wrote them) is trusted; when registered ones exist and none passes, the
-    run is refused rather than redone from the start."""
+    A checkpoint at or before ``registered_through`` (see :func:`trusted`) was finished work: when
+    such ones exist and none passes, the run is refused rather than redone from the start."""
     damaged = []
     for candidate in checkpoints_in(run):
         with candidate.local_copy() as ckpt_dir:
             problems = verify_checkpoint(ckpt_dir)
-        registered = candidate.name <= registered_through
-        if not problems or (registered and problems[0].startswith(f"no {CHECKSUMS_DIR}/")):
+        if trusted(candidate, problems, registered_through):
             return candidate
         logger.warning("checkpoint %s is skipped: %s", candidate, "; ".join(problems))
-        if registered:
+        if candidate.name <= registered_through:
             damaged.append(candidate.name)
     if damaged:
         raise RuntimeError(f"no checkpoint of {run} passes verification, and Ray Train had registered "
@@ -196,11 +200,12 @@ def resume_point(run: storage.Location, registered_through: str = "") -> storage
 
 
 @contextlib.contextmanager
-def best_checkpoint(run: storage.Location, metric: str, mode: str) -> Iterator[tuple[storage.Location, Path]]:
+def best_checkpoint(run: storage.Location, metric: str, mode: str,
+                    registered_through: str = "") -> Iterator[tuple[storage.Location, Path]]:
     """(checkpoint, local copy) of ``run``'s checkpoint whose model card has the best val
-    ``metric`` (``mode``: max or min; the newest among ties) and that passes
-    :func:`verify_checkpoint`; better ones that fail are reported and skipped. Every checkpoint in
-    the run directory competes, not only those Ray Train's record ranks (a record set aside by
+    ``metric`` (``mode``: max or min; the newest among ties) and that is :func:`trusted`; better
+    ones that are not are reported and skipped. Every checkpoint in the run directory competes,
+    not only those Ray Train's record ranks (a record set aside by
     :func:`set_aside_stale_snapshot` starts empty)."""
     scored = []
     for candidate in checkpoints_in(run):  # newest first, and sorted() keeps that order among ties
@@ -211,7 +216,7 @@ def best_checkpoint(run: storage.Location, metric: str, mode: str) -> Iterator[t
     for value, candidate in sorted(scored, key=lambda scored: scored[0], reverse=mode == "max"):
         with candidate.local_copy() as local:
             problems = verify_checkpoint(local)
-            if not problems:
+            if trusted(candidate, problems, registered_through):
                 yield candidate, local
                 return
         logger.warning("checkpoint %s (%s = %.2f) is skipped: %s", candidate, metric, value, "; ".join(problems))

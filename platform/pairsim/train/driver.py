@@ -79,8 +79,9 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, 
     :func:`checkpoints.best_checkpoint`) into the MLflow run's ``model/`` and evaluate it once
     on the test split, when the data has one."""
     with tracking.RunLogger(tracking_uri, run_id) as run:  # closing it sends the buffered metrics
-        with checkpoints.best_checkpoint(run_dir, selection_metric(cfg), cfg.eval.select_mode) as (best, checkpoint), \
-                tempfile.TemporaryDirectory() as tmp:
+        registered_through = Path(result.checkpoint.path).name if result.checkpoint else ""
+        with checkpoints.best_checkpoint(run_dir, selection_metric(cfg), cfg.eval.select_mode, registered_through
+                                         ) as (best, checkpoint), tempfile.TemporaryDirectory() as tmp:
             best_uri = best.uri
             card = checkpoints.checkpoint_card(checkpoint)
             written = checkpoints.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
