@@ -152,6 +152,9 @@ def test_the_best_checkpoint_is_chosen_from_every_card_and_must_verify(tmp_path)
     (third / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")
     with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, _):
         assert best.name == second.name
+    (third / checkpoints.CARD_FILE).write_text('{"epoch": 3, "val": {"val/rs')  # a card cut short
+    with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, _):
+        assert best.name == second.name
     card = json.loads((first / checkpoints.CARD_FILE).read_text())
     (first / checkpoints.CARD_FILE).write_text(json.dumps(card | {"val": {"val/rsum": 102.0}}))
     shutil.rmtree(first / checkpoints.CHECKSUMS_DIR)

@@ -210,7 +210,11 @@ def best_checkpoint(run: storage.Location, metric: str, mode: str,
     scored = []
     for candidate in checkpoints_in(run):  # newest first, and sorted() keeps that order among ties
         card = candidate / CARD_FILE
-        value = json.loads(card.read_text()).get("val", {}).get(metric) if card.is_file() else None
+        try:
+            value = json.loads(card.read_text()).get("val", {}).get(metric) if card.is_file() else None
+        except ValueError:  # cut short: a save that failed part way
+            logger.warning("checkpoint %s is skipped: its %s is not readable JSON", candidate, CARD_FILE)
+            continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             scored.append((value, candidate))
     for value, candidate in sorted(scored, key=lambda scored: scored[0], reverse=mode == "max"):
