@@ -329,3 +329,25 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
     assert set(run.data.tags["pairsim.skipped_metrics"].split(",")) >= {"t2t", "grid"}
     assert {"val/i2t_R1", "val/t2i_R1", "test/rsum"} <= run.data.metrics.keys()
     assert not any(k.startswith(("val/t2t", "val/grid", "test/t2t")) for k in run.data.metrics)
+
+
+def test_a_run_from_init_from_starts_where_its_source_ended(zero2_runs, tiny_dataset, tmp_path):
+    """``model.init_from`` = the zero2 run's export (its MLflow model/ artifacts): one epoch at a
+    vanishing learning rate evaluates exactly as the source's best checkpoint did on the same
+    val split; a randomly started run does not come near. A checkpoint directory and its export
+    are the same starting weights."""
+    _, resumed, client = zero2_runs
+    weights = artifact_file(client, resumed.mlflow_run_id, "model/model.pt")
+    card = checkpoints.checkpoint_card(resumed.best_checkpoint_path)
+    result = driver.fit(load_config(DEMO_CONFIG, overrides(
+        tiny_dataset, tmp_path, f"model.init_from={weights}", "train.epochs=1", "optim.lr=1e-12",
+        "optim.weight_decay=0.0", "data.test_split=null")))
+    for key in ("val/rsum", "val/i2t_R@1", "val/t2i_R@1", "val/i2i_mAP@R"):
+        assert result.metrics[key] == pytest.approx(card["val"][key], abs=1e-6), key
+    assert card["val"]["val/rsum"] > 150  # chance is ~40 on this val split: the source did learn
+
+    _, from_checkpoint = checkpoints.initial_state(resumed.best_checkpoint_path)
+    _, from_export = checkpoints.initial_state(weights)
+    assert from_checkpoint.keys() == from_export.keys()
+    for key, value in from_export.items():
+        torch.testing.assert_close(from_checkpoint[key], value, rtol=0, atol=0, msg=key)

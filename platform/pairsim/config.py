@@ -104,6 +104,11 @@ class ModelConfig(_Section):
 
     arch: str = "pairsim-tiny"
     pretrained: str | None = Field(None, description="open_clip tag or local weights file")
+    init_from: Path | None = Field(
+        None, description="start from a pairsim model: an export (model.pt with its model.json card beside it, as "
+                          "`pairsim export` and every run's MLflow model/ artifacts hold) or a checkpoint directory; "
+                          "its open_clip weights and the heads this config has are loaded, checked before Ray starts "
+                          "(architecture, files, safe pickles). A plain open_clip weights file goes in pretrained")
     fusion: Annotated[str, _registered(FUSIONS)] = Field(
         "normalized_sum", description="fused image+text embedding for GCL, a name registered in "
                                       "pairsim.registry.FUSIONS (pairsim.models.fusion): normalized_sum "
@@ -118,6 +123,13 @@ class ModelConfig(_Section):
         0, ge=0, description="with lock_text: the last N groups of the text tower keep training — the projection, "
                              "then the last block with the final LayerNorm, ... (open_clip's "
                              "--lock-text-unlocked-layers)")
+
+    @model_validator(mode="after")
+    def _one_source_of_weights(self) -> ModelConfig:
+        if self.init_from is not None and self.pretrained is not None:
+            raise ValueError("model.init_from and model.pretrained both name starting weights; set one "
+                             "(init_from: a pairsim export or checkpoint; pretrained: an open_clip tag or weights file)")
+        return self
 
     @model_validator(mode="after")
     def _unlocked_needs_lock(self) -> ModelConfig:
@@ -618,6 +630,7 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
 
 
 LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained",
+                   "model.init_from",
                    "loss.cusa.image_teacher.path", "loss.cusa.text_teacher.path")
 
 

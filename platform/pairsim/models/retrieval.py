@@ -110,7 +110,7 @@ def load_exported(weights: str | Path) -> tuple[RetrievalModel, dict[str, Any]]:
     if not card_file.is_file():
         raise FileNotFoundError(f"{card_file}: no model card beside {weights} (not a pairsim export?)")
     card = json.loads(card_file.read_text())
-    cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights)})
+    cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights), "init_from": None})
     model = create_retrieval_model(cfg, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
     if heads_file.is_file():
         missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu", weights_only=True), strict=False)

@@ -191,15 +191,22 @@ class OpenCLIPTeacher(Teacher):
 
 @TEACHERS.register("initial_student")
 class InitialStudentTeacher(OpenCLIPTeacher):
-    """The student's own tower as it is before training (its arch, weights and seed), frozen;
-    its :meth:`identity` is that of the equivalent open_clip teacher."""
+    """The student's own tower as it is before training (its arch, its ``pretrained`` or
+    ``init_from`` weights, its seed), frozen; its :meth:`identity` is that of the equivalent
+    open_clip teacher."""
 
     class Params(Section):
         pass
 
     @classmethod
     def from_params(cls, modality: str, params: Params, student: RunConfig) -> InitialStudentTeacher:
-        return cls(modality, student.model.arch, student.model.pretrained, seed=student.train.seed)
+        start = student.model.init_from
+        if start is not None and not Path(start).is_file():
+            raise ConfigError(f"loss.cusa.{modality}_teacher: initial_student reads the open_clip weights of an export; "
+                              f"model.init_from is a checkpoint directory ({start}): export it (pairsim export) and "
+                              "name its model.pt")
+        return cls(modality, student.model.arch, str(start) if start else student.model.pretrained,
+                   seed=student.train.seed)
 
     @classmethod
     def check(cls, modality: str, params: Params) -> None:

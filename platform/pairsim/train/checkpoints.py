@@ -12,7 +12,8 @@ is there; on resume the newest checkpoint that passes is used and newer ones tha
 reported and skipped (:func:`resume_point`); ``pairsim checkpoints list|verify`` shows the same.
 :func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
 weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
-``model.heads.pt`` and ``model.json``.
+``model.heads.pt`` and ``model.json``. A run starts from either form with ``model.init_from``
+(:func:`check_init_from` on the driver, :func:`load_initial_weights` in the worker).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import ray.train
 import torch
 
 from pairsim import dist, log, storage
-from pairsim.models import retrieval
+from pairsim.config import ConfigError, ModelConfig
+from pairsim.models import clip, retrieval
 
 logger = log.get_logger("train")
 CHECKPOINT_TAG = "deepspeed"
@@ -302,3 +304,84 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return retrieval.write_exported(card, checkpoint_state_dict(checkpoint), out)
+
+
+def _export_card(path: Path) -> dict[str, Any]:
+    """The model card beside an export's weights file; ValueError when there is none."""
+    card_file = retrieval.exported_files(path)[2]
+    if not card_file.is_file():
+        raise ValueError(f"{path}: no model card ({card_file.name}) beside it, so not a pairsim export; a plain "
+                         "open_clip weights file goes in model.pretrained")
+    return json.loads(card_file.read_text())
+
+
+def initial_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(model card, :class:`~pairsim.models.retrieval.RetrievalModel` state dict) of what
+    ``model.init_from`` names: a checkpoint directory (verified, then consolidated as
+    :func:`checkpoint_state_dict` does) or an export (``model.pt`` with its card and heads file
+    beside it, :func:`~pairsim.models.retrieval.write_exported`). Every file is opened with
+    :func:`load_checkpoint_file`: a pickle that would run code is refused, nothing in it run."""
+    path = Path(path)
+    if path.is_dir():
+        if problems := verify_checkpoint(path):
+            raise ValueError(f"{path}: the checkpoint does not verify: {'; '.join(problems)}")
+        return checkpoint_card(path), checkpoint_state_dict(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    card = _export_card(path)
+    state = {f"clip.{k}": v.reshape(1) if k in clip.SCALAR_PARAMS else v  # the shape create_model gives them
+             for k, v in load_checkpoint_file(path).items()}
+    if (heads_file := retrieval.exported_files(path)[1]).is_file():
+        state |= load_checkpoint_file(heads_file)
+    return card, state
+
+
+def check_init_from(cfg: ModelConfig) -> None:
+    """Driver-side check of ``model.init_from``: it exists, is a pairsim export or a checkpoint that
+    verifies, holds only tensors, and was trained as the configured ``model.arch`` (an export's
+    weights are also matched, name and shape, against that architecture; memory-mapped, on the
+    meta device). :class:`ConfigError` naming the key otherwise."""
+    if cfg.init_from is None:
+        return
+    path = Path(cfg.init_from)
+    try:
+        if path.is_dir():
+            if problems := verify_checkpoint(path):
+                raise ValueError(f"{path}: the checkpoint does not verify: {'; '.join(problems)}")
+            card = checkpoint_card(path)
+        elif not path.is_file():
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        else:
+            card = _export_card(path)
+            weights = load_checkpoint_file(path, mmap=True)
+            if (heads_file := retrieval.exported_files(path)[1]).is_file():
+                load_checkpoint_file(heads_file, mmap=True)
+        trained_as = card.get("model", {}).get("arch")
+        if trained_as != cfg.arch:
+            raise ValueError(f"{path} holds a {trained_as} model, not the configured model.arch {cfg.arch!r}")
+        if not path.is_dir():
+            import open_clip
+
+            expected = {k: v.shape for k, v in open_clip.create_model(cfg.arch, device="meta").state_dict().items()}
+            wrong = sorted(k for k in expected.keys() | weights.keys()
+                           if k not in weights or k not in expected or weights[k].shape != expected[k])
+            if wrong:
+                raise ValueError(f"{path}: its open_clip weights do not fit {cfg.arch} ({len(wrong)} tensors missing, "
+                                 f"unexpected or of another shape, e.g. {', '.join(wrong[:3])})")
+    except (OSError, ValueError) as exc:  # UnsafeCheckpointError is a ValueError
+        raise ConfigError(f"model.init_from: {exc}") from None
+
+
+def load_initial_weights(model: retrieval.RetrievalModel, path: str | Path) -> None:
+    """Load ``model.init_from`` (:func:`initial_state`) into ``model``: every open_clip weight must
+    fit; heads the model has and the source lacks keep their fresh initialisation, heads the
+    source has and the model lacks are left out (both said once)."""
+    card, state = initial_state(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if clip_missing := [k for k in missing if k.startswith("clip.")]:
+        raise ValueError(f"model.init_from: {path} lacks open_clip weights of the model: {', '.join(clip_missing[:5])}")
+    if dist.rank() == 0:
+        fresh, unused = (sorted({key.split(".")[0] for key in keys}) for keys in (missing, unexpected))
+        logger.info("model.init_from: the weights of %s (%s, epoch %s)%s%s", path, card.get("model", {}).get("arch"),
+                    card.get("epoch", "?"), f"; initialised fresh: {', '.join(fresh)}" if fresh else "",
+                    f"; in the source, not in this model: {', '.join(unused)}" if unused else "")

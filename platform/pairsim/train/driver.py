@@ -137,6 +137,7 @@ def check_ready(cfg: RunConfig) -> None:
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
     clip.check_model_config(cfg.model)
+    checkpoints.check_init_from(cfg.model)
     tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
     for split in (cfg.data.train_split, cfg.data.val_split):
         key = cfg.data.split_key(split)

@@ -22,6 +22,7 @@ from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, mer
 from pairsim.losses import Objective, build_objective, temperatures
 from pairsim.models import clip, retrieval
 from pairsim.models.retrieval import RetrievalModel
+from pairsim.train import checkpoints
 
 logger = log.get_logger("train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +140,8 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
 
 def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
     """The DeepSpeed engine over the run's objective and the model with what the objective
-    reads (fused embeddings, uni-modal heads), its weights seeded by ``train.seed``."""
+    reads (fused embeddings, uni-modal heads), its weights seeded by ``train.seed`` or loaded
+    from ``model.init_from``."""
     import deepspeed  # imported in the worker only (ray #50406)
 
     if cfg.optim.impl == "deepspeed":
@@ -148,6 +150,8 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
     torch.manual_seed(cfg.train.seed)
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,
                                              unimodal_heads="image_unimodal" in objective.needs)
+    if cfg.model.init_from is not None:
+        checkpoints.load_initial_weights(model, cfg.model.init_from)
     clip.lock_towers(model.clip, cfg.model)
     model.clip.set_grad_checkpointing(cfg.train.grad_checkpointing)
     module = TrainingModule(model, objective)
