@@ -2,6 +2,7 @@ import io
 import json
 
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from pairsim.data import shards, synth
@@ -63,3 +64,20 @@ def test_ensure_generates_once_and_then_keeps_what_is_there(tmp_path):
     assert shards.read_manifest(out)["splits"]["train"]["images"] == 8
     synth.ensure(out, num_train=99, num_val=4, num_test=0, progress=False)  # other sizes: left alone
     assert manifest.stat().st_mtime_ns == first and shards.read_manifest(out)["splits"]["train"]["images"] == 8
+
+
+def test_object_labels_name_every_object_and_nothing_else(tmp_path):
+    plain = synth.generate(tmp_path / "plain", num_train=30, num_val=0, num_test=0, progress=False)
+    labels = synth.generate(tmp_path / "labels", num_train=30, num_val=0, num_test=0, progress=False,
+                            captions="object_labels")
+    assert labels["generator"]["captions"] == "object_labels" and "captions" not in plain["generator"]
+    scene_rows = shards.read_table(shards.split_shards(tmp_path / "plain", "train")).to_pylist()
+    label_rows = shards.read_table(shards.split_shards(tmp_path / "labels", "train")).to_pylist()
+    for scene, labelled in zip(scene_rows, label_rows):
+        assert scene["image"] == labelled["image"] and scene["label"] == labelled["label"]  # the same scenes
+        (text,) = labelled["captions"]
+        pairs = text.split(", ")
+        assert pairs == sorted(set(pairs)) and scene["label_name"] in pairs
+        assert all(colour in synth.COLOURS and shape in synth.SHAPES for colour, shape in (p.split() for p in pairs))
+    with pytest.raises(ValueError, match="captions must be one of"):
+        synth.generate(tmp_path / "bad", num_train=1, num_val=0, num_test=0, progress=False, captions="poems")

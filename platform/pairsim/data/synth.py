@@ -7,6 +7,10 @@ image gets 5 distinct captions drawn from varied templates and synonyms, and a c
 different scenes often differ in one colour or one relation only, so fine-grained alignment
 matters and the choice of loss shows.
 
+With ``captions="object_labels"`` each image gets one text instead: its objects' colours and
+shapes, sorted ("blue square, red circle") — labels, not captions (no sizes, relations or
+templates), for training an image encoder on labels (``pipelines/reproduce.py``'s CUSA teacher).
+
 Deterministic: scene ``i`` of split ``s`` depends only on ``(seed, s, i)``, and the shards are
 byte-identical for the same arguments.
 """
@@ -178,7 +182,15 @@ def captions_for(objects: list[SceneObject], relation: str | None, rng: random.R
     return captions
 
 
-def make_record(seed: int, split: str, index: int, image_size: int) -> dict:
+CAPTION_STYLES = ("scene", "object_labels")
+
+
+def object_labels(objects: list[SceneObject]) -> str:
+    """The objects' colour and shape, sorted and without repeats: ``"blue square, red circle"``."""
+    return ", ".join(sorted({f"{obj.colour} {obj.shape}" for obj in objects}))
+
+
+def make_record(seed: int, split: str, index: int, image_size: int, captions: str = "scene") -> dict:
     rng = random.Random(f"pairsim-shapes/{seed}/{split}/{index}")
     objects, relation = sample_scene(rng)
     image = render(objects, image_size, rng)
@@ -188,7 +200,7 @@ def make_record(seed: int, split: str, index: int, image_size: int) -> dict:
     return {
         "image": buf.getvalue(),
         "image_id": f"{split}-{index:07d}",
-        "captions": captions_for(objects, relation, rng),
+        "captions": [object_labels(objects)] if captions == "object_labels" else captions_for(objects, relation, rng),
         "label": LABELS.index(label_name),
         "label_name": label_name,
         "width": image_size,
@@ -199,22 +211,26 @@ def make_record(seed: int, split: str, index: int, image_size: int) -> dict:
 
 def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
              image_size: int = 64, seed: int = 0, rows_per_shard: int = 2_000,
-             progress: bool = True) -> dict:
-    """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``."""
+             progress: bool = True, captions: str = "scene") -> dict:
+    """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``;
+    ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text)."""
     if image_size < 24:
         raise ValueError(f"image_size must be >= 24 to draw 3×3 scenes, got {image_size}")
+    if captions not in CAPTION_STYLES:
+        raise ValueError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
     out = Location.of(out)
     counts = {}
     for split, n in (("train", num_train), ("val", num_val), ("test", num_test)):
         if n <= 0:
             continue
-        rows = (make_record(seed, split, i, image_size) for i in range(n))
+        rows = (make_record(seed, split, i, image_size, captions) for i in range(n))
         if progress:
             rows = tqdm(rows, total=n, desc=f"synth {split}", unit="img")
         counts[split] = shards.write_split(rows, out / split, rows_per_shard)
     return shards.write_manifest(
         out, source="pairsim-shapes", splits=counts,
-        generator={"seed": seed, "image_size": image_size, "labels": LABELS},
+        generator={"seed": seed, "image_size": image_size, "labels": LABELS}
+        | ({"captions": captions} if captions != "scene" else {}),  # plain manifests as they were
     )
 
 
