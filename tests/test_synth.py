@@ -81,3 +81,81 @@ def test_object_labels_name_every_object_and_nothing_else(tmp_path):
         assert all(colour in synth.COLOURS and shape in synth.SHAPES for colour, shape in (p.split() for p in pairs))
     with pytest.raises(ValueError, match="captions must be one of"):
         synth.generate(tmp_path / "bad", num_train=1, num_val=0, num_test=0, progress=False, captions="poems")
+
+
+PLAIN_ROWS_SHA256 = "a8745193a69552174febaa074702f0182cf30e8a9ae5a0e9c524abfcbb958e36"
+"""The rows of generate(num_train=20, num_val=10, num_test=10) as the generator wrote them before
+hard-negative families existed (computed at commit 5f24151): the demo's data, and the figures the
+README gives for it, stay what they were."""
+
+
+def rows_digest(root, splits=("train", "val", "test")):
+    import hashlib
+
+    digest = hashlib.sha256()
+    for split in splits:
+        for row in shards.read_table(shards.split_shards(root, split)).to_pylist():
+            digest.update(repr(sorted(row.items())).encode())
+    return digest.hexdigest()
+
+
+def test_plain_mode_writes_the_rows_it_always_wrote(tmp_path):
+    synth.generate(tmp_path, num_train=20, num_val=10, num_test=10, progress=False)
+    assert rows_digest(tmp_path) == PLAIN_ROWS_SHA256
+
+
+def scene_words(caption):
+    return caption.replace(",", " ").replace(";", " ").replace(" an ", " a ").split()
+
+
+def test_hard_split_is_families_differing_in_one_attribute(tmp_path):
+    manifest = synth.generate(tmp_path, num_train=8, num_val=10, num_test=0, progress=False, hard_negatives=("val",),
+                              seed=3)
+    assert manifest["splits"]["val"]["images"] == 10  # two families and a half: the last one cut
+    assert manifest["generator"]["hard_negatives"] == {"splits": ["val"], "family": ["base", "colour", "shape", "relation"]}
+    rows = shards.read_table(shards.split_shards(tmp_path, "val")).to_pylist()
+    assert [r["source"].split("/", 2)[2] for r in rows[:5]] == [
+        "family=0/base", "family=0/colour", "family=0/shape", "family=0/relation", "family=1/base"]
+    vocab = {"colour": {w for _, words in synth.COLOURS.values() for w in words},
+             "shape": {w for words in synth.SHAPES.values() for phrase in words for w in phrase.split()},
+             "relation": {w for _, words, _ in synth.RELATIONS.values() for phrase in words for w in phrase.split()}}
+    for family in range(2):
+        base, *variants = rows[4 * family: 4 * family + 4]
+        assert len(set(base["captions"])) == 5
+        for variant, row in zip(synth.VARIANTS, variants):
+            assert row["image"] != base["image"] and len(set(row["captions"])) == 5
+            for mine, theirs in zip(row["captions"], base["captions"]):  # same template, same synonyms
+                a, b = scene_words(mine), scene_words(theirs)
+                changed = {x for x, y in zip(a, b) if x != y} | {y for x, y in zip(a, b) if x != y}
+                assert len(a) == len(b) or variant == "shape", (mine, theirs)  # "circle" vs "round shape"
+                if len(a) == len(b):
+                    assert changed and changed <= vocab[variant], (variant, mine, theirs)
+    # the train split is never hard, and the same arguments give the same rows
+    assert all("family" not in r["source"] for r in shards.read_table(shards.split_shards(tmp_path, "train")).to_pylist())
+    again = synth.generate(tmp_path / "again", num_train=8, num_val=10, num_test=0, progress=False,
+                           hard_negatives=("val",), seed=3)
+    assert rows_digest(tmp_path, ["train", "val"]) == rows_digest(tmp_path / "again", ["train", "val"])
+    assert again == manifest
+
+
+def test_variants_change_exactly_one_attribute_of_the_scene():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        objects, relation = synth.sample_scene(rng)
+        if relation is None:
+            continue
+        for variant in synth.VARIANTS:
+            changed, new_relation = synth.vary(objects, relation, variant, rng)
+            diffs = [(field, i) for i, (a, b) in enumerate(zip(objects, changed))
+                     for field in ("shape", "colour", "size", "cell") if getattr(a, field) != getattr(b, field)]
+            if variant == "relation":
+                assert diffs == [("cell", 0), ("cell", 1)] and new_relation == synth.RELATIONS[relation][2]
+            else:
+                assert len(diffs) == 1 and diffs[0][0] == variant and new_relation == relation
+
+
+def test_only_val_and_test_can_be_hard(tmp_path):
+    with pytest.raises(ValueError, match="only the val and test splits can be hard, not train"):
+        synth.generate(tmp_path, num_train=4, num_val=4, num_test=0, progress=False, hard_negatives=("train",))

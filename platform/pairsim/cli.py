@@ -344,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--image-size", type=int, default=64)
     synth.add_argument("--rows-per-shard", type=int, default=2_000)
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--hard-negatives", nargs="+", choices=["val", "test"], default=[],
+                       help="build these splits of hard-negative families: a scene and variants of it that differ in "
+                            "one object's colour, one object's shape or the relation, with near-duplicate captions")
+    synth.add_argument("--captions", choices=["scene", "object_labels"], default="scene",
+                       help="scene: 5 captions an image; object_labels: one text naming its objects' colours and shapes")
     return parser
 
 
@@ -382,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
             manifest = synth.generate(args.out, num_train=args.num_train, num_val=args.num_val,
                                       num_test=args.num_test, image_size=args.image_size, seed=args.seed,
-                                      rows_per_shard=args.rows_per_shard)
+                                      rows_per_shard=args.rows_per_shard, hard_negatives=args.hard_negatives,
+                                      captions=args.captions)
             print(f"wrote {args.out}: " + ", ".join(f"{s} {c['images']} images" for s, c in manifest["splits"].items()))
     except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)

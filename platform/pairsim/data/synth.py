@@ -7,6 +7,13 @@ image gets 5 distinct captions drawn from varied templates and synonyms, and a c
 different scenes often differ in one colour or one relation only, so fine-grained alignment
 matters and the choice of loss shows.
 
+Hard negatives (``hard_negatives=("test",)``): a split built of *families* — a scene of two or
+three objects and three variants of it, each its own image differing in exactly one attribute:
+one object's colour, one object's shape, or objects 1 and 2 swapped (their relation inverted,
+"left of" → "right of"). A family's images share their background and jitter, and their
+captions share templates and synonym draws (only templates that state the relation), so each
+caption has near-duplicates in the split that differ in the changed attribute's words alone.
+
 With ``captions="object_labels"`` each image gets one text instead: its objects' colours and
 shapes, sorted ("blue square, red circle") — labels, not captions (no sizes, relations or
 templates), for training an image encoder on labels (``pipelines/reproduce.py``'s CUSA teacher).
@@ -20,7 +27,8 @@ from __future__ import annotations
 import io
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from PIL import Image, ImageDraw
 from tqdm import tqdm
@@ -150,32 +158,42 @@ def render(objects: list[SceneObject], size: int, rng: random.Random) -> Image.I
     return image
 
 
-def _phrase(obj: SceneObject, rng: random.Random) -> str:
+def _phrase(obj: SceneObject, rng: random.Random, pick) -> str:
     words = []
     if rng.random() < 0.7:
-        words.append(rng.choice(SIZES[obj.size][1]))
-    words.append(rng.choice(COLOURS[obj.colour][1]))
-    words.append(rng.choice(SHAPES[obj.shape]))
+        words.append(pick(SIZES[obj.size][1]))
+    words.append(pick(COLOURS[obj.colour][1]))
+    words.append(pick(SHAPES[obj.shape]))
     return " ".join(words)
 
 
-def captions_for(objects: list[SceneObject], relation: str | None, rng: random.Random, n: int = 5) -> list[str]:
-    """``n`` distinct captions, each from a different template where there are enough."""
+def captions_for(objects: list[SceneObject], relation: str | None, rng: random.Random, n: int = 5,
+                 aligned: bool = False) -> list[str]:
+    """``n`` distinct captions, each from a different template where there are enough.
+
+    ``aligned``: every draw takes one ``rng.random()`` whatever the attribute (a synonym list's
+    length included), and only templates that state the relation are used, so scenes that
+    differ in one attribute, captioned from equal RNG states, get captions that differ in that
+    attribute's words alone (a hard-negative family)."""
     templates = TEMPLATES[len(objects)]
+    pick = rng.choice
+    if aligned:
+        templates = [t for t in templates if "{rel}" in t or "{inv}" in t]
+        pick = lambda options: options[int(rng.random() * len(options))]  # noqa: E731
     order = rng.sample(templates, len(templates))
     captions: list[str] = []
     attempts = 0
     while len(captions) < n:
-        template = order[len(captions) % len(order)] if attempts < 4 * n else rng.choice(templates)
+        template = order[len(captions) % len(order)] if attempts < 4 * n else pick(templates)
         attempts += 1
         fields = {}
         for k, obj in enumerate(objects, start=1):
-            phrase = _phrase(obj, rng)
+            phrase = _phrase(obj, rng, pick)
             fields[f"o{k}"], fields[f"a{k}"] = phrase, _article(phrase)
         if relation is not None:
             _, phrases, inverse = RELATIONS[relation]
-            fields["rel"] = rng.choice(phrases)
-            fields["inv"] = rng.choice(RELATIONS[inverse][1])
+            fields["rel"] = pick(phrases)
+            fields["inv"] = pick(RELATIONS[inverse][1])
         caption = template.format(**fields)
         if caption not in captions:
             captions.append(caption)
@@ -190,47 +208,90 @@ def object_labels(objects: list[SceneObject]) -> str:
     return ", ".join(sorted({f"{obj.colour} {obj.shape}" for obj in objects}))
 
 
+def _record(objects: list[SceneObject], image: Image.Image, captions: list[str], image_id: str, source: str) -> dict:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    label_name = f"{objects[0].colour} {objects[0].shape}"
+    return {"image": buf.getvalue(), "image_id": image_id, "captions": captions, "label": LABELS.index(label_name),
+            "label_name": label_name, "width": image.width, "height": image.height, "source": source}
+
+
 def make_record(seed: int, split: str, index: int, image_size: int, captions: str = "scene") -> dict:
     rng = random.Random(f"pairsim-shapes/{seed}/{split}/{index}")
     objects, relation = sample_scene(rng)
     image = render(objects, image_size, rng)
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    label_name = f"{objects[0].colour} {objects[0].shape}"
-    return {
-        "image": buf.getvalue(),
-        "image_id": f"{split}-{index:07d}",
-        "captions": [object_labels(objects)] if captions == "object_labels" else captions_for(objects, relation, rng),
-        "label": LABELS.index(label_name),
-        "label_name": label_name,
-        "width": image_size,
-        "height": image_size,
-        "source": f"pairsim-shapes/seed={seed}",
-    }
+    texts = [object_labels(objects)] if captions == "object_labels" else captions_for(objects, relation, rng)
+    return _record(objects, image, texts, f"{split}-{index:07d}", f"pairsim-shapes/seed={seed}")
+
+
+VARIANTS = ("colour", "shape", "relation")  # what each member after a family's first changes
+
+
+def vary(objects: list[SceneObject], relation: str, variant: str,
+         rng: random.Random) -> tuple[list[SceneObject], str]:
+    """The scene with one attribute changed: one object's ``colour`` or ``shape`` (to another),
+    or the ``relation`` of objects 1 and 2 inverted by swapping their cells."""
+    objects = list(objects)
+    if variant == "relation":
+        objects[0], objects[1] = replace(objects[0], cell=objects[1].cell), replace(objects[1], cell=objects[0].cell)
+        return objects, RELATIONS[relation][2]
+    k = rng.randrange(len(objects))
+    values = [v for v in (COLOURS if variant == "colour" else SHAPES) if v != getattr(objects[k], variant)]
+    objects[k] = replace(objects[k], **{variant: rng.choice(values)})
+    return objects, relation
+
+
+def family_records(seed: int, split: str, family: int, first_index: int, image_size: int) -> list[dict]:
+    """A hard-negative family: a scene with a relation and its :data:`VARIANTS`, rendered with one
+    background and jitter and captioned from one aligned RNG state (:func:`captions_for`)."""
+    key = f"pairsim-shapes/{seed}/{split}/family-{family}"
+    rng = random.Random(key)
+    objects, relation = sample_scene(rng)
+    while relation is None:
+        objects, relation = sample_scene(rng)
+    members = [("base", objects, relation)] + [(v, *vary(objects, relation, v, rng)) for v in VARIANTS]
+    return [_record(scene, render(scene, image_size, random.Random(f"{key}/render")),
+                    captions_for(scene, rel, random.Random(f"{key}/captions"), aligned=True),
+                    f"{split}-{first_index + i:07d}", f"pairsim-shapes/seed={seed}/family={family}/{variant}")
+            for i, (variant, scene, rel) in enumerate(members)]
+
+
+def split_records(seed: int, split: str, n: int, image_size: int, captions: str, hard: bool):
+    """The ``n`` records of a split: independent scenes, or hard-negative families (the last one cut)."""
+    if not hard:
+        yield from (make_record(seed, split, i, image_size, captions) for i in range(n))
+        return
+    for family in range(math.ceil(n / (1 + len(VARIANTS)))):
+        yield from family_records(seed, split, family, family * (1 + len(VARIANTS)), image_size)[:n - family * (1 + len(VARIANTS))]
 
 
 def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
              image_size: int = 64, seed: int = 0, rows_per_shard: int = 2_000,
-             progress: bool = True, captions: str = "scene") -> dict:
+             progress: bool = True, captions: str = "scene", hard_negatives: Sequence[str] = ()) -> dict:
     """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``;
-    ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text)."""
+    ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text);
+    ``hard_negatives``: the val/test splits built of hard-negative families (train never is)."""
     if image_size < 24:
         raise ValueError(f"image_size must be >= 24 to draw 3×3 scenes, got {image_size}")
     if captions not in CAPTION_STYLES:
         raise ValueError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
+    if unknown := set(hard_negatives) - {"val", "test"}:
+        raise ValueError(f"hard_negatives: only the val and test splits can be hard, not {', '.join(sorted(unknown))}")
     out = Location.of(out)
     counts = {}
     for split, n in (("train", num_train), ("val", num_val), ("test", num_test)):
         if n <= 0:
             continue
-        rows = (make_record(seed, split, i, image_size, captions) for i in range(n))
+        rows = split_records(seed, split, n, image_size, captions, split in hard_negatives)
         if progress:
             rows = tqdm(rows, total=n, desc=f"synth {split}", unit="img")
         counts[split] = shards.write_split(rows, out / split, rows_per_shard)
     return shards.write_manifest(
         out, source="pairsim-shapes", splits=counts,
         generator={"seed": seed, "image_size": image_size, "labels": LABELS}
-        | ({"captions": captions} if captions != "scene" else {}),  # plain manifests as they were
+        | ({"captions": captions} if captions != "scene" else {})  # plain manifests as they were
+        | ({"hard_negatives": {"splits": sorted(hard_negatives), "family": ["base", *VARIANTS]}}
+           if hard_negatives else {}),
     )
 
 
