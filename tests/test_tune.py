@@ -216,3 +216,38 @@ def test_two_trials_at_once_share_the_cpus_and_both_finish(ray_instance, tiny_da
     (a, b) = [(run.info.start_time, run.info.end_time) for run in runs]
     assert a[0] < b[1] and b[0] < a[1], "the trials ran one after the other"
     assert {run.data.tags["mlflow.source.name"] for run in runs} == {tracking.context_tags()["mlflow.source.name"]}
+
+
+def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, tmp_path):
+    """Three grids, two trials at once: m = 0.3 (γ the base's 20), γ = 40 (m the base's 0.1), and
+    (0.3, 20) again. The union's two points run, once each, and not the cross of the keys (0.3,
+    40); the table, results.csv, the plots, the parent's params and a child run per trial are
+    there as for any sweep."""
+    import csv
+
+    from pairsim.tune.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write_sweep(tmp_path / "union.yaml", tiny_dataset, tmp_path / "ray", uri,
+                       [{"loss.margin": {"grid": [0.3]}}, {"loss.gamma": {"grid": [40]}},
+                        {"loss.margin": {"grid": [0.3]}, "loss.gamma": {"grid": [20]}}],
+                       {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 2})
+    sweep = load_sweep(path, ["train.epochs=1", "loss.gamma=20", "loss.margin=0.1"])
+    outcome = run_sweep(sweep, "union")
+    points = [{"loss.margin": 0.3, "loss.gamma": 20.0}, {"loss.margin": 0.1, "loss.gamma": 40}]
+    assert sorted((r.point for r in outcome.rows), key=str) == sorted(points, key=str)
+    assert [r.status for r in outcome.rows] == ["finished", "finished"] and outcome.best is not None
+    with open(outcome.out_dir / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert sorted((float(r["loss.margin"]), float(r["loss.gamma"])) for r in table) == [(0.1, 40.0), (0.3, 20.0)]
+    assert all(r["mlflow_run_id"] for r in table)
+    client = MlflowClient(uri)
+    parent = client.get_run(outcome.parent_run_id)
+    assert parent.data.params["space.1.loss.gamma"] == "grid[40]"
+    assert {"results.csv", "best.yaml", *results.PLOTS} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    for row in outcome.rows:
+        child = client.get_run(row.run_id)
+        assert child.data.tags[tracking.PARENT_TAG] == outcome.parent_run_id and child.info.status == "FINISHED"
+        assert (float(child.data.params["loss.margin"]), float(child.data.params["loss.gamma"])) == (
+            row.point["loss.margin"], row.point["loss.gamma"])
+    assert load_config(outcome.out_dir / "best.yaml") == sweep.trial_config(outcome.best.point)

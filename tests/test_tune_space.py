@@ -70,8 +70,8 @@ def test_tune_spaces_directory_holds_the_shipped_sweeps():
 def test_shipped_sweep_file_loads_and_every_checked_point_is_a_valid_trial(path):
     sweep = load_sweep(path)
     flat = sweep.base.flat()
-    assert sweep.space, path
-    assert set(sweep.space) <= set(flat), set(sweep.space) - set(flat)
+    assert sweep.keys, path
+    assert set(sweep.keys) <= set(flat), set(sweep.keys) - set(flat)
     points = sweep.points_to_check()
     assert len(points) > 16  # corners + the seeded random points
     for point in points:
@@ -234,7 +234,7 @@ def test_a_set_on_an_empty_space_or_sweep_section(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("base: {config: [pairsim:demo.yaml]}\nspace:\nsweep:\n")
     sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}", "sweep.num_samples=3"])
-    assert sweep.settings.num_samples == 3 and list(sweep.space) == ["loss.margin"]
+    assert sweep.settings.num_samples == 3 and sweep.keys == ["loss.margin"]
 
 
 def test_a_bad_base_config_entry_is_named_once(tmp_path):
@@ -291,8 +291,9 @@ def test_overrides_set_sweep_settings_and_base_keys(tmp_path):
 def test_space_override_replaces_the_distribution(tmp_path):
     path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"uniform": [10, 30]}})
     sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}"])
-    assert sweep.space["loss.margin"] == Distribution(kind="uniform", args=[0.0, 0.2])
-    assert sweep.space["loss.gamma"].args == [10, 30]  # the other keys stay
+    [space] = sweep.spaces
+    assert space["loss.margin"] == Distribution(kind="uniform", args=[0.0, 0.2])
+    assert space["loss.gamma"].args == [10, 30]  # the other keys stay
 
 
 def test_space_override_is_validated_like_the_file(tmp_path):
@@ -429,3 +430,136 @@ def test_without_max_t_a_trial_runs_the_base_epochs(tmp_path):
     for settings in ({"scheduler": "fifo"}, {"asha": {"grace_period": 2}}):
         sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}}, sweep=settings))
         assert sweep.base.train.epochs == sweep.epochs == 6
+
+
+# 15. a union of grids ------------------------------------------------------------------------------
+
+FIG5_M = [{"loss.margin": m, "loss.gamma": 60} for m in (0.0, 0.1, 0.2, 0.3, 0.4)]
+FIG5_GAMMA = [{"loss.margin": 0.2, "loss.gamma": g} for g in (20, 40, 80, 100)]  # (0.2, 60) is in FIG5_M
+
+
+def union_sweep(tmp_path: Path, *grids: dict, base=None, sweep=None, overrides=None, name="union.yaml"):
+    path = write_sweep(tmp_path, base=base, space=list(grids), sweep={"search": "grid", **(sweep or {})}, name=name)
+    return path if overrides is False else load_sweep(path, overrides)
+
+
+def test_figure5_sweep_runs_each_point_of_its_two_grids_once():
+    from pairsim.tune.sweep import total_trials
+
+    sweep = load_sweep(REPO / "tune_spaces" / "unified_figure5.yaml")
+    assert sweep.union and sweep.keys == ["loss.margin", "loss.gamma"]
+    assert sweep.grid_points() == FIG5_M + FIG5_GAMMA  # 9, not 10: the grids share (0.2, 60)
+    assert total_trials(sweep) == 9
+    assert (sweep.settings.search, sweep.settings.scheduler, sweep.settings.num_samples) == ("grid", "fifo", 1)
+    assert (sweep.base.loss.base, sweep.base.model.arch) == ("unified", "pairsim-tiny")  # demo + the unified preset
+    assert sweep.param_space() == {"point": {"grid_search": FIG5_M + FIG5_GAMMA}}
+    for point in sweep.grid_points():
+        assert sweep.point_of({"point": point}) == point
+        trial = sweep.trial_config(point)
+        assert (trial.loss.base_params.margin, trial.loss.base_params.gamma) == (point["loss.margin"],
+                                                                                 point["loss.gamma"])
+
+
+def test_a_key_a_grid_leaves_out_keeps_the_base_value_and_shared_points_run_once(tmp_path):
+    sweep = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1, 0.3]}}, {"loss.gamma": {"grid": [20, 40]}},
+                        {"loss.gamma": {"grid": [40.0]}, "loss.margin": {"grid": [0.3]}})
+    # the demo's base: margin 0.1, gamma 20; (0.1, 20) is in both grids, 40 and 40.0 are one value
+    assert sweep.grid_points() == [{"loss.margin": 0.1, "loss.gamma": 20.0}, {"loss.margin": 0.3, "loss.gamma": 20.0},
+                                   {"loss.margin": 0.1, "loss.gamma": 40}, {"loss.margin": 0.3, "loss.gamma": 40.0}]
+    assert sweep.keys == ["loss.margin", "loss.gamma"]
+
+
+def test_a_single_space_keeps_its_tune_config_and_digest(tmp_path):
+    space = {"loss.margin": {"grid": [0.1, 0.3]}, "loss.gamma": {"grid": [20, 40]}}
+    plain = load_sweep(write_sweep(tmp_path, space=space, sweep={"search": "grid"}, name="plain.yaml"))
+    listed = union_sweep(tmp_path, space, name="listed.yaml")  # a list of one grid is that grid
+    for sweep in (plain, listed):
+        assert not sweep.union
+        assert sweep.param_space() == {"loss.margin": {"grid_search": [0.1, 0.3]},
+                                       "loss.gamma": {"grid_search": [20, 40]}}
+        assert sweep.point_of({"loss.margin": 0.3, "loss.gamma": 40}) == {"loss.margin": 0.3, "loss.gamma": 40}
+    assert listed.digest() == plain.digest()
+    assert listed.params()["space.loss.margin"] == "grid[0.1, 0.3]"
+
+
+def test_union_digest_and_params_name_each_grid(tmp_path):
+    grids = ({"loss.margin": {"grid": [0.1, 0.3]}}, {"loss.gamma": {"grid": [20, 40]}})
+    sweep = union_sweep(tmp_path, *grids, name="a.yaml")
+    assert sweep.digest() == union_sweep(tmp_path, *grids, name="b.yaml").digest()
+    assert sweep.digest() != union_sweep(tmp_path, grids[0], {"loss.gamma": {"grid": [20, 60]}},
+                                         name="c.yaml").digest()
+    assert sweep.digest() != union_sweep(tmp_path, grids[1], grids[0], name="d.yaml").digest()  # another order
+    params = sweep.params()
+    assert (params["space.0.loss.margin"], params["space.1.loss.gamma"]) == ("grid[0.1, 0.3]", "grid[20, 40]")
+
+
+@pytest.mark.parametrize("search", ["random", "optuna"])
+def test_other_searches_refuse_a_list_of_grids(tmp_path, search):
+    path = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [20]}},
+                       sweep={"search": search}, overrides=False)
+    message = sweep_error(path)
+    assert re.search(rf"list of grids, run as their union by search: grid only \(not {search}\)",
+                     line_of(message, "sweep.search:")), message
+    assert error_count(message) == 1, message
+
+
+def test_union_errors_name_the_grid_and_the_key(tmp_path):
+    path = union_sweep(tmp_path, {"loss.magrin": {"grid": [0.1]}},
+                       {"loss.margin": {"grid": [0.1]}, "loss.gamma": {"grid": [20, 0.0]}},
+                       {"loss.gamma": {"uniform": [20, 40]}}, {}, {"loss.margin": {"grid": []}}, overrides=False)
+    message = sweep_error(path)
+    assert "not a key of the base config" in line_of(message, "space.0.loss.magrin:")
+    assert re.search(r"value 0\.0 gives an invalid run config: .*greater than 0", line_of(message, "space.1.loss.gamma:"))
+    assert line_of(message, "sweep.search:").endswith("grid needs every space key to be a grid; not: "
+                                                      "space.2.loss.gamma")
+    assert "needs at least one key, e.g. loss.margin: {grid:" in line_of(message, "space.3:")
+    assert "grid needs at least one value" in line_of(message, "space.4.loss.margin:")
+    assert error_count(message) == 5, message
+
+
+def test_union_points_are_checked_grid_by_grid(tmp_path):
+    path = union_sweep(tmp_path, {"loss.temperature.init": {"grid": [0.05]}},
+                       {"loss.temperature.init": {"grid": [0.09]}, "loss.temperature.max": {"grid": [0.05, 0.1]}},
+                       base=INFONCE, overrides=False)
+    message = sweep_error(path)
+    line = line_of(message, "space.1: the point ")
+    assert "{'loss.temperature.init': 0.09, 'loss.temperature.max': 0.05}" in line and "min <= init <= max" in line
+    assert error_count(message) == 1, message
+
+
+def test_set_changes_a_key_of_one_grid(tmp_path):
+    path = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [20, 40]}}, overrides=False)
+    sweep = load_sweep(path, ["space.1.loss.gamma={grid: [60]}", "space.0.loss.gamma={grid: [80]}"])
+    assert sweep.grid_points() == [{"loss.margin": 0.1, "loss.gamma": 80}, {"loss.margin": 0.1, "loss.gamma": 60}]
+    message = sweep_error(path, ["space.loss.gamma={grid: [60]}", "space.2.loss.gamma={grid: [60]}"])
+    assert "list of 2 grid(s); set a key of grid i (0 to 1) with space.<i>.<key>=" in line_of(
+        message, "--set space.loss.gamma:")
+    assert line_of(message, "--set space.2.loss.gamma:")
+
+
+def test_results_table_csv_and_plots_of_a_union(tmp_path):
+    """The rows of a union sweep (from Tune's configs, as :func:`results.trial_rows` reads
+    them) in the table, ``results.csv`` and the three plots; no Ray instance."""
+    import csv
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from pairsim.tune import results
+
+    sweep = load_sweep(REPO / "tune_spaces" / "unified_figure5.yaml")
+    epochs = list(range(1, sweep.epochs + 1))
+    grid = [SimpleNamespace(path=f"/x/fig5-{i:05d}", error=None, config={"point": point},
+                            metrics_dataframe=pd.DataFrame({"epoch": epochs, "val/rsum": [i + e for e in epochs]}))
+            for i, point in enumerate(sweep.grid_points())]
+    rows = results.trial_rows(grid, sweep, [], "fig5")
+    assert [r.point for r in rows] == sweep.grid_points()
+    assert [(r.metric, r.status) for r in rows[:2]] == [(sweep.epochs, "finished"), (sweep.epochs + 1, "finished")]
+    assert "margin" in results.table_header(sweep) and "gamma" in results.table_header(sweep)
+    assert results.format_row(rows[5], sweep).split()[1:3] == ["0.2", "20"]
+    results.write_csv(rows, sweep, tmp_path / "results.csv")
+    with open(tmp_path / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(float(r["loss.margin"]), float(r["loss.gamma"])) for r in table] == [
+        (p["loss.margin"], p["loss.gamma"]) for p in sweep.grid_points()]
+    assert all((tmp_path / name).stat().st_size > 0 for name in map(Path, results.plot(rows, sweep, tmp_path)))

@@ -45,7 +45,7 @@ def _value(value: Any) -> str:
 
 
 def _widths(sweep: Sweep) -> list[tuple[str, int]]:
-    return ([("trial", 8)] + [(_short(k), max(len(_short(k)), 9)) for k in sweep.space]
+    return ([("trial", 8)] + [(_short(k), max(len(_short(k)), 9)) for k in sweep.keys]
             + [(sweep.metric.removeprefix("val/"), max(len(sweep.metric) - 4, 8)), ("epochs", 6), ("status", 13)])
 
 
@@ -56,7 +56,7 @@ def table_header(sweep: Sweep) -> str:
 
 
 def format_row(row: TrialRow, sweep: Sweep) -> str:
-    cells = [row.trial_id[-8:]] + [_value(row.point.get(k, "")) for k in sweep.space]
+    cells = [row.trial_id[-8:]] + [_value(row.point.get(k, "")) for k in sweep.keys]
     cells += ["-" if row.metric is None else f"{row.metric:.2f}", str(row.epochs), row.status]
     line = "  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _widths(sweep)))
     return line + (f"  {row.error.splitlines()[-1][:200]}" if row.error else "")
@@ -87,7 +87,7 @@ def trial_rows(grid, sweep: Sweep, children: list, sweep_name: str) -> list[Tria
             error = str(result.error).strip().splitlines()[-1] if str(result.error).strip() else type(result.error).__name__
         else:
             status, error = ("finished" if epochs >= sweep.epochs else "stopped early"), ""
-        rows.append(TrialRow(trial_id, status, epochs, {k: result.config.get(k) for k in sweep.space},
+        rows.append(TrialRow(trial_id, status, epochs, sweep.point_of(result.config),
                              pick((v for _, v in curve), default=None), runs.get(f"{sweep_name}-{trial_id}"),
                              error, curve))
     return sorted(rows, key=lambda r: r.trial_id)
@@ -112,9 +112,9 @@ def best_yaml(best: TrialRow, sweep: Sweep, sweep_name: str) -> str:
 def write_csv(rows: list[TrialRow], sweep: Sweep, path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial_id", "status", "epochs", *sweep.space, sweep.metric, "mlflow_run_id", "error"])
+        writer.writerow(["trial_id", "status", "epochs", *sweep.keys, sweep.metric, "mlflow_run_id", "error"])
         for row in rows:
-            writer.writerow([row.trial_id, row.status, row.epochs, *(row.point.get(k) for k in sweep.space),
+            writer.writerow([row.trial_id, row.status, row.epochs, *(row.point.get(k) for k in sweep.keys),
                              "" if row.metric is None else row.metric, row.run_id or "", row.error])
 
 
@@ -144,7 +144,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     scored = [r for r in rows if r.metric is not None]
     paths = [out_dir / name for name in PLOTS]
 
-    keys = list(sweep.space)
+    keys = sweep.keys
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys):
         xs, labels = _axis_values(scored, key)
@@ -154,7 +154,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
                 ax.scatter(*zip(*picked), c=color, label=status, alpha=0.8)
         if labels:
             ax.set_xticks(range(len(labels)), labels, rotation=30)
-        elif sweep.space[key].kind == "loguniform" or _log_scaled(xs):
+        elif any(space[key].kind == "loguniform" for space in sweep.spaces if key in space) or _log_scaled(xs):
             ax.set_xscale("log")
         ax.set_xlabel(key)
         ax.set_ylabel(f"best val {metric}")

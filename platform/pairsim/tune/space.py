@@ -16,10 +16,21 @@ and the sweep settings, validated as a whole before Ray starts.
       scheduler: asha                      # fifo | asha
       asha: {grace_period: 1, reduction_factor: 2}
 
+``space`` may also be a list of grids, run as their union (as scikit-learn's ``ParameterGrid``
+takes a list of dicts) under ``search: grid``: each grid crosses its own keys only, a key a grid
+leaves out keeps the base's value, and a point two grids share runs once:
+
+.. code-block:: yaml
+
+    space:                                 # 9 trials: m at γ = 60, and γ at m = 0.2
+      - {loss.margin: {grid: [0.0, 0.1, 0.2, 0.3, 0.4]}, loss.gamma: {grid: [60]}}
+      - {loss.margin: {grid: [0.2]}, loss.gamma: {grid: [20, 40, 60, 80, 100]}}
+
 Every key of ``space`` must be a key the base config has (``loss.margin`` under ``loss.base:
 infonce`` is refused), every bound must give a valid run config alone (a margin reaching 3.0 is
 refused because ``loss.margin`` ≤ 2), and so must the corners of the space and a few random
-points of it together (``temperature.init`` above a sampled ``temperature.max``).
+points of it together (``temperature.init`` above a sampled ``temperature.max``); in a union,
+each grid alone, its errors under ``space.<index>``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ SHIPPED_PREFIX = "pairsim:"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 RANDOM_POINTS_CHECKED = 16
 CORNER_POINTS_CHECKED = 256
+POINT_KEY = "point"  # a union's Tune config: {POINT_KEY: the trial's whole point}
 
 
 class Distribution(Section):
@@ -129,6 +141,9 @@ class Distribution(Section):
         return f"{self.kind}{self.args}"
 
 
+Space = dict[str, Distribution]  # dotted run-config key -> distribution
+
+
 class ASHASettings(Section):
     """Asynchronous successive halving (Li et al., MLSys 2020) over epochs: at epochs
     grace_period·rfᵏ a trial goes on only if its metric is in the top 1/rf of what trials
@@ -188,7 +203,8 @@ class SweepSettings(Section):
 
 class SweepFile(Section):
     base: dict[str, Any] = Field(default_factory=dict, description="config: run YAML(s), plus inline run-config keys")
-    space: dict[str, Distribution] = {}
+    space: dict[str, Distribution] | list[dict[str, Distribution]] = Field(
+        default_factory=dict, description="dotted key -> distribution; or a list of such grids, run as their union")
     sweep: SweepSettings = SweepSettings()
 
 
@@ -248,15 +264,45 @@ def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
     return (_errors_of(layer(tree, nested({key: dist.corners()[0]}))) or "unknown key").strip()
 
 
+def _points_to_check(space: Space) -> list[dict[str, Any]]:
+    """The corners of ``space`` (all of them up to 256, else the all-low / all-high ones) and 16
+    seeded random points."""
+    keys = list(space)
+    corners = [space[k].corners() for k in keys]
+    if math.prod(map(len, corners)) <= CORNER_POINTS_CHECKED:
+        points = [dict(zip(keys, values)) for values in itertools.product(*corners)]
+    else:
+        points = [dict(zip(keys, (c[0] for c in corners))), dict(zip(keys, (c[-1] for c in corners)))]
+    rng = np.random.default_rng(0)
+    return points + [{k: space[k].sample(rng) for k in keys} for _ in range(RANDOM_POINTS_CHECKED)]
+
+
 @dataclass(frozen=True)
 class Sweep:
-    """A validated sweep: the base run config (as a tree and validated), the space, the settings."""
+    """A validated sweep: the base run config (as a tree and validated), the space — one, or the
+    grids of a union — and the settings."""
 
     source: str
     base_tree: dict[str, Any]
     base: RunConfig
-    space: dict[str, Distribution]
+    spaces: tuple[Space, ...]  # one space; or a union's grids, every distribution a grid
     settings: SweepSettings
+
+    @property
+    def union(self) -> bool:
+        """Whether the space is a union of grids (its trials: :meth:`grid_points`)."""
+        return len(self.spaces) > 1
+
+    @property
+    def keys(self) -> list[str]:
+        """The swept keys in the order written (of a union: of all its grids)."""
+        return list(dict.fromkeys(key for space in self.spaces for key in space))
+
+    def labelled(self) -> list[tuple[str, Space]]:
+        """Each space with the path errors and params name it by: ``space``, or ``space.<i>``
+        for grid i of a union."""
+        return [("space", self.spaces[0])] if not self.union else [
+            (f"space.{i}", space) for i, space in enumerate(self.spaces)]
 
     @property
     def metric(self) -> str:
@@ -276,35 +322,87 @@ class Sweep:
         """The run config of the trial at ``point`` (dotted key → sampled value)."""
         return validate(layer(self.base_tree, nested(point)), f"{self.source} at {point}")
 
+    def grid_points(self) -> list[dict[str, Any]]:
+        """A union's trials: each grid's values crossed, every point completed with the base's
+        value of each key its grid leaves out, a point of several grids once, in the order written."""
+        flat = self.base.flat()
+        points: list[dict[str, Any]] = []
+        for space in self.spaces:
+            for values in itertools.product(*(dist.args for dist in space.values())):
+                point = {key: flat[key] for key in self.keys} | dict(zip(space, values))
+                if point not in points:  # == on the values: 60 and 60.0 are one point
+                    points.append(point)
+        return points
+
     def param_space(self) -> dict[str, Any]:
-        return {key: dist.domain() for key, dist in self.space.items()}
+        """Tune's ``param_space``: each key's domain; of a union, one grid over its whole points
+        (Tune's grid keys cross: the grids' keys would run the points of no grid)."""
+        if self.union:
+            from ray import tune
+
+            return {POINT_KEY: tune.grid_search(self.grid_points())}
+        return {key: dist.domain() for key, dist in self.spaces[0].items()}
+
+    def point_of(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The point (dotted key → value) of a trial's Tune config."""
+        return dict(config[POINT_KEY]) if self.union else {key: config.get(key) for key in self.keys}
 
     def digest(self) -> str:
         """sha256 of the base config, the space and the settings: a resumed sweep must match it."""
+        spaces = [{k: d.model_dump() for k, d in space.items()} for space in self.spaces]
         text = json.dumps({"base": self.base.model_dump(mode="json"),
-                           "space": {k: d.model_dump() for k, d in self.space.items()},
+                           "space": spaces if self.union else spaces[0],
                            "sweep": self.settings.model_dump(mode="json", exclude={"max_concurrent_trials",
                                                                                    "verbose_trials"})},
                           sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
     def points_to_check(self) -> list[dict[str, Any]]:
-        """The corners of the space (all of them up to 256, else the all-low / all-high ones)
-        and 16 seeded random points."""
-        keys = list(self.space)
-        corners = [self.space[k].corners() for k in keys]
-        if math.prod(map(len, corners)) <= CORNER_POINTS_CHECKED:
-            points = [dict(zip(keys, values)) for values in itertools.product(*corners)]
-        else:
-            points = [dict(zip(keys, (c[0] for c in corners))), dict(zip(keys, (c[-1] for c in corners)))]
-        rng = np.random.default_rng(0)
-        return points + [{k: self.space[k].sample(rng) for k in keys} for _ in range(RANDOM_POINTS_CHECKED)]
+        """What is validated of each space (each grid of a union): :func:`_points_to_check`."""
+        return [point for space in self.spaces for point in _points_to_check(space)]
 
     def params(self) -> dict[str, Any]:
         """The sweep as MLflow params of its parent run."""
-        out = {f"space.{k}": d.describe() for k, d in self.space.items()}
+        out = {f"{label}.{k}": d.describe() for label, space in self.labelled() for k, d in space.items()}
         out |= {f"sweep.{k}": v for k, v in flatten(self.settings.model_dump(mode="json")).items()}
         return out | {"sweep.metric": self.metric, "sweep.mode": self.mode, "base.sha256": self.digest()[:16]}
+
+
+def _set_space(raw: dict[str, Any], key: str, spec: Any) -> str | None:
+    """``--set space.KEY=SPEC`` on the file as read (a list of grids: ``space.<i>.KEY``); why
+    not, or None."""
+    space = raw["space"]
+    if isinstance(space, list):
+        index, _, grid_key = key.partition(".")
+        if not (index.isdigit() and int(index) < len(space) and isinstance(space[int(index)], dict) and grid_key):
+            return (f"--set space.{key}: the space is a list of {len(space)} grid(s); set a key of grid i "
+                    f"(0 to {len(space) - 1}) with space.<i>.<key>=...")
+        space, key = space[int(index)], grid_key
+    if isinstance(space, dict):  # another value is named below
+        space[key] = spec
+    return None
+
+
+def _read_spaces(raw: Any) -> tuple[list[Space], list[str]]:
+    """The space as written — one mapping, or a list of them (a union of grids) — and its
+    problems, each named by its path (``space.<i>.<key>`` in a union)."""
+    listed = isinstance(raw, list)
+    grids = (raw if listed else [raw]) or [{}]
+    spaces: list[Space] = []
+    errors: list[str] = []
+    for i, grid in enumerate(grids):
+        label = f"space.{i}" if len(grids) > 1 else "space"
+        if not isinstance(grid, dict) or not grid:
+            example = "{grid: [0.1, 0.2]}" if listed else "{uniform: [0.0, 0.4]}"
+            errors.append(f"{label}: needs at least one key, e.g. loss.margin: {example}")
+        space: Space = {}
+        for key, spec in grid.items() if isinstance(grid, dict) else []:
+            try:
+                space[key] = Distribution.model_validate(spec)
+            except ValidationError as exc:
+                errors += [f"{label}.{key}: {_message(e)}" for e in exc.errors()]
+        spaces.append(space)
+    return spaces, errors
 
 
 def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
@@ -320,21 +418,18 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             raw[section] = {}
     sweep_sets = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".")[0] in ("sweep", "space")]
     base_sets = [o for o in overrides or [] if o not in sweep_sets]
+    errors: list[str] = []
     for item in sweep_sets:  # space.loss.margin={uniform: [0, 0.3]}: the key after space. is one dotted key
         key, _, value = item.partition("=")
         if key.strip().startswith("space."):
-            raw.setdefault("space", {})[key.strip()[len("space."):]] = apply_overrides({}, [f"v={value}"])["v"]
+            why = _set_space(raw, key.strip()[len("space."):], apply_overrides({}, [f"v={value}"])["v"])
+            errors += [why] if why else []
         else:
             apply_overrides(raw, [item])
-    errors: list[str] = []
-    if not isinstance(raw.get("space", {}), dict) or not raw.get("space"):
-        errors.append("space: needs at least one key, e.g. loss.margin: {uniform: [0.0, 0.4]}")
-    space: dict[str, Distribution] = {}
-    for key, spec in (raw.get("space") or {}).items() if isinstance(raw.get("space"), dict) else []:
-        try:
-            space[key] = Distribution.model_validate(spec)
-        except ValidationError as exc:
-            errors += [f"space.{key}: {_message(e)}" for e in exc.errors()]
+    listed = isinstance(raw["space"], list)
+    spaces, space_errors = _read_spaces(raw["space"])
+    errors += space_errors
+    keys = list(dict.fromkeys(key for space in spaces for key in space))
     sections = {"space": {}}
     for name, model in (("base", None), ("sweep", SweepSettings)):  # each alone: all their errors at once
         try:
@@ -345,7 +440,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
                        for e in exc.errors()]
             sections[name] = _without_bad_fields(model, raw.get(name) or {}, exc) if model else {}
     errors += [f"{key}: unknown key (a sweep file has base, space, sweep)" for key in raw if key not in sections]
-    file = SweepFile.model_validate(sections).model_copy(update={"space": space})
+    file = SweepFile.model_validate(sections)
     base_raw = dict(file.base)
     tree: dict[str, Any] = {}
     try:
@@ -363,7 +458,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             errors.append(f"sweep.metric: {why.strip().removeprefix('eval: ')}")
         else:
             tree = eval_tree
-    if file.sweep.asha and file.sweep.asha.max_t and "train.epochs" not in file.space:
+    if file.sweep.asha and file.sweep.asha.max_t and "train.epochs" not in keys:
         tree = layer(tree, {"train": {"epochs": file.sweep.asha.max_t}})  # trials as long as ASHA lets them run
     try:
         base = validate(tree, f"{path} base")
@@ -371,18 +466,23 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
     tree = absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
     base = validate(tree, f"{path} base")
-    sweep = Sweep(str(path), tree, base, file.space, file.sweep)
+    sweep = Sweep(str(path), tree, base, tuple(spaces), file.sweep)
 
     settings = file.sweep
     if settings.mode is not None and settings.mode != sweep.mode:
         errors.append(f"sweep.mode: {settings.mode!r}, but {sweep.metric} is ranked {sweep.mode!r}")
-    grid_keys = [k for k, d in file.space.items() if d.kind == "grid"]
-    if settings.search == "grid" and len(grid_keys) < len(file.space):
+    named = [(key if label == "space" else f"{label}.{key}", dist) for label, space in sweep.labelled()
+             for key, dist in space.items()]
+    if listed and settings.search != "grid":
+        errors.append(f"sweep.search: the space is a list of grids, run as their union by search: grid only "
+                      f"(not {settings.search})")
+    elif settings.search == "grid" and any(dist.kind != "grid" for _, dist in named):
         errors.append("sweep.search: grid needs every space key to be a grid; not: "
-                      + ", ".join(k for k in file.space if k not in grid_keys))
-    if settings.search == "optuna" and grid_keys:
-        errors.append(f"sweep.search: optuna samples; it takes no grid ({', '.join(grid_keys)}): use choice")
-    if settings.asha and settings.asha.max_t is None and "train.epochs" in file.space:
+                      + ", ".join(name for name, dist in named if dist.kind != "grid"))
+    elif settings.search == "optuna" and any(dist.kind == "grid" for _, dist in named):
+        errors.append(f"sweep.search: optuna samples; it takes no grid "
+                      f"({', '.join(name for name, dist in named if dist.kind == 'grid')}): use choice")
+    if settings.asha and settings.asha.max_t is None and "train.epochs" in keys:
         errors.append("sweep.asha.max_t: needed when train.epochs is swept (ASHA's longest trial, in epochs)")
     if settings.asha and settings.asha.grace_period > sweep.epochs:
         errors.append(f"sweep.asha.grace_period: {settings.asha.grace_period} epochs is more than the "
@@ -390,32 +490,35 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
     flat = base.flat()
     bad_keys = set()
-    for key, dist in file.space.items():
-        if key not in flat:
-            errors.append(f"space.{key}: not a key of the base config ({_why_not_a_key(tree, key, dist)})")
-            bad_keys.add(key)
-            continue
-        rng = np.random.default_rng(0)
-        bounds = zip(("low", "high") if dist.kind not in ("choice", "grid") else ["value"] * len(dist.args),
-                     dist.corners())
-        for name, value in bounds:
-            why = _errors_of(layer(tree, nested({key: value})))
-            if why:
-                errors.append(f"space.{key}: {name} {value!r} gives an invalid run config: {why.strip()}")
-                bad_keys.add(key)
-        for value in [] if key in bad_keys else [dist.sample(rng) for _ in range(RANDOM_POINTS_CHECKED)]:
-            why = _errors_of(layer(tree, nested({key: value})))
-            if why:  # e.g. uniform over an integer key
-                errors.append(f"space.{key}: sampled {value!r} gives an invalid run config: {why.strip()}")
-                bad_keys.add(key)
-                break
+    for label, space in sweep.labelled():
+        for key, dist in space.items():
+            where = f"{label}.{key}"
+            if key not in flat:
+                errors.append(f"{where}: not a key of the base config ({_why_not_a_key(tree, key, dist)})")
+                bad_keys.add(where)
+                continue
+            rng = np.random.default_rng(0)
+            bounds = zip(("low", "high") if dist.kind not in ("choice", "grid") else ["value"] * len(dist.args),
+                         dist.corners())
+            for name, value in bounds:
+                why = _errors_of(layer(tree, nested({key: value})))
+                if why:
+                    errors.append(f"{where}: {name} {value!r} gives an invalid run config: {why.strip()}")
+                    bad_keys.add(where)
+            for value in [] if where in bad_keys else [dist.sample(rng) for _ in range(RANDOM_POINTS_CHECKED)]:
+                why = _errors_of(layer(tree, nested({key: value})))
+                if why:  # e.g. uniform over an integer key
+                    errors.append(f"{where}: sampled {value!r} gives an invalid run config: {why.strip()}")
+                    bad_keys.add(where)
+                    break
     if not bad_keys:
         seen = set()
-        for point in sweep.points_to_check():
+        points = ((label, point) for label, space in sweep.labelled() for point in _points_to_check(space))
+        for label, point in points:
             why = _errors_of(layer(tree, nested(point)))
             if why and why not in seen:
                 seen.add(why)
-                errors.append(f"space: the point {point} gives an invalid run config: {why.strip()}")
+                errors.append(f"{label}: the point {point} gives an invalid run config: {why.strip()}")
                 if len(seen) == 3:
                     break
     if errors:

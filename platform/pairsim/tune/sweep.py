@@ -60,11 +60,13 @@ def trial_run_name(sweep_name: str, trial_id: str) -> str:
     return f"{sweep_name}-{trial_id}"
 
 
-def run_trial(point: dict[str, Any], job: TrialJob) -> None:
-    """One trial: the run config at ``point``, trained by :func:`pairsim.train.driver.fit`."""
+def run_trial(config: dict[str, Any], job: TrialJob) -> None:
+    """One trial: the run config at the point of its Tune ``config``, trained by
+    :func:`pairsim.train.driver.fit`."""
     log.setup(job.log_level)
     trial_id = tune.get_context().get_trial_id()
     run_name = trial_run_name(job.name, trial_id)
+    point = job.sweep.point_of(config)
     cfg = job.sweep.trial_config(point)
     data_cap = min(cfg.data.max_cpus or math.inf, cfg.ray.data_cpus)  # the trial's share of the CPUs
     cfg = cfg.model_copy(update={
@@ -121,8 +123,8 @@ class SweepProgress(tune.Callback):
         if run_id:
             tags = {results.STATUS_TAG: status.replace(" ", "_")} | ({tracking.ERROR_TAG: error[:5000]} if error else {})
             tracking.set_run_status(self.tracking_uri, run_id, results.MLFLOW_STATUS[status], tags)
-        row = results.TrialRow(trial.trial_id, status, self.epochs.get(trial.trial_id, 0), dict(trial.config),
-                               self.best.get(trial.trial_id), run_id, error)
+        row = results.TrialRow(trial.trial_id, status, self.epochs.get(trial.trial_id, 0),
+                               self.sweep.point_of(trial.config), self.best.get(trial.trial_id), run_id, error)
         print(results.format_row(row, self.sweep), flush=True)
         print(self._progress(trials), flush=True)
 
@@ -148,7 +150,8 @@ class SweepProgress(tune.Callback):
 
 
 def total_trials(sweep: Sweep) -> int:
-    grid = math.prod(len(d.args) for d in sweep.space.values() if d.kind == "grid")
+    grid = (len(sweep.grid_points()) if sweep.union
+            else math.prod(len(d.args) for d in sweep.spaces[0].values() if d.kind == "grid"))
     return sweep.settings.num_samples * grid
 
 

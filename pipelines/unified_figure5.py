@@ -1,0 +1,67 @@
+"""The Unified paper's Figure 5 (Li et al., arXiv 2209.13869, §4.5) as a sweep, with a verdict
+on each of its statements.
+
+    python pipelines/unified_figure5.py [--init-from MODEL] [--set KEY=VALUE ...] [--name NAME]
+
+Runs ``tune_spaces/unified_figure5.yaml`` — val RSUM at m ∈ {0, 0.1, 0.2, 0.3, 0.4} with γ = 60
+and at γ ∈ {20, 40, 60, 80, 100} with m = 0.2, 9 trials, each trained fully — from
+``--init-from`` (``--set model.init_from=MODEL``: the pretrained base of ``python
+pipelines/reproduce.py --stage pretrain``; the paper fine-tunes). Then draws the two curves with
+the paper's three statements and a verdict each (:mod:`pairsim.tune.figures` states the rules)
+into ``unified_figure5.png`` and ``unified_figure5.json`` beside the sweep's ``results.csv``, logs
+them to the sweep's MLflow parent run and prints the points and the verdicts. ``--set`` takes
+the sweep file's keys as ``pairsim tune`` does (``data.path=DIR``, ``sweep.max_concurrent_trials=2``);
+``--name`` of an existing sweep resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+from pairsim import log
+from pairsim.config import ConfigError
+from pairsim.tune import figures
+from pairsim.tune.space import load_sweep
+from pairsim.tune.sweep import run_sweep
+
+SPACE = Path(__file__).resolve().parents[1] / "tune_spaces" / "unified_figure5.yaml"
+FIGURE5 = figures.Figure(
+    name="unified_figure5",
+    title="Unified loss (Li et al.), Fig. 5 as a sweep: val RSUM against the margin m and the scale γ",
+    symbols={"loss.margin": "m", "loss.gamma": "γ"},
+    panels=(
+        figures.Panel("loss.margin", (0.0, 0.1, 0.2, 0.3, 0.4), {"loss.gamma": 60}, (
+            figures.Statement("best at m = 0.2", "best_at", 0.2),
+            figures.Statement("m > 0 beats m = 0 (VLC)", "beats_at", 0.0))),
+        figures.Panel("loss.gamma", (20, 40, 60, 80, 100), {"loss.margin": 0.2}, (
+            figures.Statement("as γ grows, RSUM rises then falls", "peaks_inside"),)),
+    ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--init-from", metavar="MODEL", help="the pretrained model every trial starts from")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a key of the sweep file or its base config, as for pairsim tune")
+    parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
+    args = parser.parse_args(argv)
+    log.setup()
+    try:
+        sweep = load_sweep(SPACE, ([f"model.init_from={args.init_from}"] if args.init_from else []) + args.overrides)
+        outcome = run_sweep(sweep, args.name)
+    except ConfigError as exc:
+        print(f"pairsim: config error: {exc}", file=sys.stderr)
+        return 2
+    curves, verdicts = figures.report(FIGURE5, sweep, outcome)
+    print(f"\nsweep {outcome.name}: {len(outcome.rows)} trials\n")
+    print(figures.summary(FIGURE5, curves, verdicts, sweep.metric))
+    print(f"\n{FIGURE5.name}.png and .json in {outcome.out_dir} and on MLflow run {outcome.parent_run_id} "
+          f"({outcome.tracking_uri})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
