@@ -1,46 +1,68 @@
-"""Reproduction table: each paper objective, several seeds, on the shapes data, next to what its
-paper claims.
+"""The papers' effects, in small: each objective fine-tunes a pretrained CLIP, several seeds, next
+to what its paper claims.
 
-    python pipelines/reproduce.py [--num-train 1500] [--num-val 300] [--epochs 3] [--seeds 0 1 2]
-                                  [--objectives infonce triplet_hn ...] [--out bench_out/reproduce]
+    python pipelines/reproduce.py                     # every stage; what is cached is reused
+    python pipelines/reproduce.py --stage pretrain    # only the base CLIP (or --stage teacher)
+    python pipelines/reproduce.py --setting scratch   # the from-scratch table instead
+    python pipelines/reproduce.py --objectives infonce unified --seeds 0 --out bench_out/reproduce
 
-Every objective is its shipped preset (``configs/objectives/<name>.yaml``: the papers' losses and
-hyperparameters) layered on the demo's model, optimizer and workers (a 7.6 M-parameter CLIP
-trained from scratch, so CUSA's fine-tuning optimizer is replaced by the demo's for every
-objective alike), trained with the real pipeline (Ray Train, 2 DeepSpeed workers) for
-``--epochs`` on a generated shapes dataset; ``train.seed`` and ``data.seed`` are the seed. Prints
-mean ± std over seeds of the last epoch's val i2t/t2i R@1, RSUM, i2i/t2t R@1 and the mean R@1 of
-the five modality-grid cells with a fused side, then each paper's claim and whether it holds:
-"holds" when the mean difference exceeds twice its standard error, "same sign, within noise"
-when it is positive but smaller, else "does not hold".
+Setting ``pretrained`` (the default) follows the papers' protocol:
+
+1. **pretrain** — a base pairsim-tiny CLIP trained with InfoNCE on a larger generated corpus
+   (``configs/reproduce/pretrain.yaml``), its own MLflow run; its best checkpoint is exported
+   (model.pt + model card) into ``OUT/pretrain-<digest>/``, where a second run finds it.
+2. **teacher** — CUSA's image teacher: an image encoder learned on its own corpus and labels
+   (``configs/reproduce/image_teacher.yaml``), cached the same way; ``--image-teacher
+   initial_student`` uses the student's own starting tower instead. The text teacher is MiniLM.
+3. **table** — every objective preset fine-tunes from the base (``model.init_from``) with one
+   fine-tuning optimizer (``configs/reproduce/finetune.yaml``) on the fine-tuning corpus, for
+   each seed (``train.seed`` and ``data.seed``); val is plain, and the best checkpoint is tested
+   on a hard-negative split (scenes in families that differ in one attribute).
+
+Setting ``scratch`` is the earlier table: the presets on a randomly initialised model with the
+demo's optimizer for all alike, 3 epochs of 1,500 scenes, no hard split.
+
+Prints mean ± std over seeds of the last epoch's val i2t/t2i R@1, RSUM, i2i/t2t R@1 and the mean
+R@1 of the five modality-grid cells with a fused side, and the hard split's RSUM (best
+checkpoint); then each paper's claim and whether it holds: "holds" when the mean difference
+exceeds twice its standard error, "same sign, within noise" when it is positive but smaller,
+else "does not hold". Results go to ``OUT/<setting>/results.json`` as each run ends; a re-run
+skips the runs recorded there with the same protocol digest, so an interrupted table resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pairsim.config import load_config
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+from pairsim import log
+from pairsim.cli import DEMO_CONFIG, objective_config
+from pairsim.config import RunConfig, load_config
 from pairsim.data import synth
+from pairsim.eval import inference, suite
 from pairsim.eval.suite import MODALITIES, grid_metric_name
-from pairsim.train import driver
+from pairsim.models import retrieval
+from pairsim.train import checkpoints, driver
 
-DEMO = Path(driver.__file__).parents[1] / "configs"
-OBJECTIVES = {"infonce": "InfoNCE", "triplet_hn": "Triplet-HN", "unified": "Unified",
-              "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified", "cusa_paper": "CUSA"}
+PROTOCOL = DEMO_CONFIG.parent / "reproduce"
+OBJECTIVES = {"base": "base (as is)", "infonce": "InfoNCE", "triplet_hn": "Triplet-HN", "unified": "Unified",
+              "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified", "cusa_paper": "CUSA",
+              "cusa_unified": "CUSA-Unified"}
 FUSED_CELLS = [grid_metric_name(q, k, 1) for q in MODALITIES for k in MODALITIES if "fused" in (q, k)]
 COLUMNS = {"i2t R@1": "i2t_R@1", "t2i R@1": "t2i_R@1", "RSUM": "rsum", "i2i R@1": "i2i_R@1", "t2t R@1": "t2t_R@1",
-           "fused R@1": "fused"}
+           "fused R@1": "fused", "hard RSUM": "hard"}
 
 
 @dataclass
 class Claim:
-    """``better`` beats ``worse`` on ``column``: the paper's words."""
+    """``better`` beats ``worse`` on ``columns``: the paper's words."""
 
     paper: str
     words: str
@@ -50,23 +72,111 @@ class Claim:
 
 
 CLAIMS = [
-    Claim("Unified loss (Li et al.)", "Unified ≥ InfoNCE on RSUM", "unified", "infonce", ("RSUM",)),
-    Claim("Unified loss (Li et al.)", "Unified > Triplet-HN on RSUM (m = 0.2, γ = 50)", "unified", "triplet_hn",
-          ("RSUM",)),
+    Claim("Unified loss (Li et al.)", "Unified ≥ InfoNCE", "unified", "infonce", ("RSUM", "hard RSUM")),
+    Claim("Unified loss (Li et al.)", "Unified > Triplet-HN (m = 0.2, γ = 50)", "unified", "triplet_hn",
+          ("RSUM", "hard RSUM")),
     Claim("CUSA (Huang et al.)", "CUSA ≫ its InfoNCE base on uni-modal retrieval", "cusa_paper", "infonce",
           ("i2i R@1", "t2t R@1")),
     Claim("CUSA (Huang et al.)", "CUSA ≥ its InfoNCE base on cross-modal RSUM", "cusa_paper", "infonce", ("RSUM",)),
+    Claim("CUSA (Huang et al.)", "CUSA's soft labels on Unified ≫ Unified on uni-modal retrieval", "cusa_unified",
+          "unified", ("i2i R@1", "t2t R@1")),
     Claim("GCL (Lee et al.)", "GCL-InfoNCE ≫ InfoNCE on the fused cells", "gcl_infonce", "infonce", ("fused R@1",)),
     Claim("GCL (Lee et al.)", "GCL-Unified ≫ Unified on the fused cells", "gcl_unified", "unified", ("fused R@1",)),
 ]
 
 
-def row(metrics: dict[str, float]) -> dict[str, float]:
-    """The table's columns from a run's last val report (``val/...`` keys)."""
-    val = {k.removeprefix("val/"): v for k, v in metrics.items() if k.startswith("val/")}
-    out = {name: val.get(key, math.nan) for name, key in COLUMNS.items() if key != "fused"}
+@dataclass(frozen=True)
+class Corpus:
+    """A generated shapes dataset: its sizes, its data seed and which splits are hard-negative families."""
+
+    name: str
+    num_train: int
+    num_val: int
+    num_test: int = 0
+    seed: int = 0
+    hard_negatives: tuple[str, ...] = ()
+    captions: str = "scene"
+
+    def ensure(self, out: Path) -> Path:
+        return synth.ensure(out / "data" / f"{self.name}-{self.digest()}", num_train=self.num_train,
+                            num_val=self.num_val, num_test=self.num_test, seed=self.seed,
+                            hard_negatives=self.hard_negatives, captions=self.captions)
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:10]
+
+
+@dataclass
+class Setting:
+    """One way of running the table: its corpus, its config layers and overrides, and what it
+    starts from (a pretraining stage, or nothing)."""
+
+    name: str
+    corpus: Corpus
+    layers: list[Path]
+    overrides: list[str]
+    pretrained: bool
+    notes: list[str] = field(default_factory=list)
+
+
+SETTINGS = {
+    "pretrained": Setting("pretrained", Corpus("finetune", 2_000, 300, 300, seed=0, hard_negatives=("test",)),
+                          [PROTOCOL / "finetune.yaml"], [], pretrained=True),
+    "scratch": Setting("scratch", Corpus("shapes", 1_500, 300), [], [
+        "data.test_split=null", "train.epochs=3", "optim.lr=1.0e-3", "optim.weight_decay=0.1",
+        "optim.warmup_steps=10", "optim.min_lr_ratio=0.0"], pretrained=False),
+}
+PRETRAIN_CORPUS = Corpus("pretrain", 10_000, 500, seed=1)
+TEACHER_CORPUS = Corpus("image-teacher", 5_000, 300, seed=2, captions="object_labels")
+
+
+def common(out: Path, run_name: str) -> list[str]:
+    """Where every run of the reproduction keeps its checkpoints and MLflow runs."""
+    return [f"ray.storage_path={out / 'ray'}", f"ray.run_name={run_name}", "train.log_every_n_steps=10",
+            f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", "tracking.experiment=reproduce"]
+
+
+def digest(*parts: object) -> str:
+    return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:10]
+
+
+def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extra: list[str]) -> Path:
+    """The export (``model.pt`` with its card) of a pretraining-like stage: trained once, with its
+    own MLflow run, its best checkpoint exported into ``OUT/<stage>-<digest>/``; found there by
+    every later call with the same config and corpus. An interrupted stage resumes (same run name)."""
+    data = corpus.ensure(out)
+    layers = [DEMO_CONFIG, objective_config("infonce"), *layers]
+    key = digest(*(path.read_text() for path in layers), extra, corpus)  # what was asked, not how code reads it
+    model = out / f"{stage}-{key}" / "model.pt"
+    if retrieval.exported_files(model)[2].is_file():
+        print(f"{stage}: cached at {model} (val RSUM {json.loads(model.with_suffix('.json').read_text())['val']['val/rsum']:.2f})")
+        return model
+    started = time.perf_counter()
+    cfg = load_config(layers, [f"data.path={data}", "data.test_split=null", *extra, *common(out, f"{stage}-{key}")])
+    result = driver.fit(cfg)
+    checkpoints.export_checkpoint(result.best_checkpoint_path, model)
+    card = json.loads(model.with_suffix(".json").read_text())
+    print(f"{stage}: {time.perf_counter() - started:.0f} s, best epoch {card['epoch']}, val RSUM "
+          f"{card['val']['val/rsum']:.2f}; exported to {model} (MLflow run {result.mlflow_run_id})")
+    return model
+
+
+def row(metrics: dict[str, float], hard: dict[str, float]) -> dict[str, float]:
+    """The table's columns from a run's last val report (``val/...`` keys) and the hard split's report."""
+    val = {k.removeprefix("val/"): v for k, v in metrics.items()}
+    out = {name: val.get(key, math.nan) for name, key in COLUMNS.items() if key not in ("fused", "hard")}
     out["fused R@1"] = statistics.fmean(val[c] for c in FUSED_CELLS) if all(c in val for c in FUSED_CELLS) else math.nan
+    out["hard RSUM"] = hard.get("rsum", math.nan)
     return out
+
+
+def evaluate_base(base: Path, cfg: RunConfig) -> dict[str, float]:
+    """The base model's row: the export evaluated, as it is, on the val and hard splits."""
+    model, _ = retrieval.load_exported(base)
+    reports = {split: suite.evaluate_split(inference.embed_with_ray_data(model, cfg, split, progress=False),
+                                           retrieval.fusion_module(model, cfg.model), cfg.eval.ks).metrics
+               for split in ("val", "test")}
+    return row({f"val/{k}": v for k, v in reports["val"].items()}, reports["test"])
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -78,6 +188,8 @@ def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
     for column in claim.columns:
         better = [r[column] for r in results[claim.better]]
         worse = [r[column] for r in results[claim.worse]]
+        if any(math.isnan(v) for v in better + worse):
+            continue
         (mb, sb), (mw, sw) = mean_std(better), mean_std(worse)
         diff, stderr = mb - mw, math.sqrt(sb**2 / len(better) + sw**2 / len(worse))
         word = ("holds" if diff > 2 * stderr and diff > 0 else "same sign, within noise" if diff > 0
@@ -86,45 +198,83 @@ def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
     return "; ".join(parts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-train", type=int, default=1500)
-    parser.add_argument("--num-val", type=int, default=300)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--objectives", nargs="+", default=list(OBJECTIVES), choices=list(OBJECTIVES))
-    parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"))
-    args = parser.parse_args()
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    data = synth.ensure(out / f"shapes-{args.num_train}-{args.num_val}", num_train=args.num_train,
-                        num_val=args.num_val, num_test=0)
-
-    results: dict[str, list[dict[str, float]]] = {}
-    started = time.perf_counter()
-    for name in args.objectives:
-        for seed in args.seeds:
-            cfg = load_config([DEMO / "demo.yaml", DEMO / "objectives" / f"{name}.yaml"], [
-                f"data.path={data}", "data.test_split=null", f"data.seed={seed}", f"train.seed={seed}",
-                f"train.epochs={args.epochs}", "train.log_every_n_steps=10",
-                "optim.lr=1.0e-3", "optim.weight_decay=0.1", "optim.warmup_steps=10", "optim.min_lr_ratio=0.0",
-                f"ray.storage_path={out / 'ray'}", f"ray.run_name=reproduce-{name}-seed{seed}-{time.strftime('%H%M%S')}",
-                f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", "tracking.experiment=reproduce"])
-            result = driver.fit(cfg)
-            results.setdefault(name, []).append(row(result.metrics))
-            (out / "results.json").write_text(json.dumps(results, indent=1))
-    wall = time.perf_counter() - started
-
-    print(f"\nshapes {args.num_train} train / {args.num_val} val, {args.epochs} epochs, seeds {args.seeds}: "
-          f"last-epoch val, mean ± std ({wall / 60:.0f} min in all)\n")
-    print(f"{'objective':12}" + "".join(f"{c:>16}" for c in COLUMNS))
-    for name, rows in results.items():
+def print_table(results: dict[str, list[dict[str, float]]], title: str) -> None:
+    print(f"\n{title}\n")
+    print(f"{'objective':14}" + "".join(f"{c:>16}" for c in COLUMNS))
+    for name, rows in sorted(results.items(), key=lambda item: list(OBJECTIVES).index(item[0])):
         cells = [mean_std([r[c] for r in rows]) for c in COLUMNS]
-        print(f"{OBJECTIVES[name]:12}" + "".join(f"{m:10.2f} ± {s:4.2f}" for m, s in cells))
+        print(f"{OBJECTIVES.get(name, name):14}" + "".join(
+            f"{'—':>16}" if math.isnan(m) else f"{m:10.2f} ± {s:4.2f}" for m, s in cells))
     print()
     for claim in CLAIMS:
         if claim.better in results and claim.worse in results:
-            print(f"{claim.paper:26} {claim.words:48} {verdict(claim, results)}")
+            print(f"{claim.paper:26} {claim.words:62} {verdict(claim, results)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", choices=list(SETTINGS), default="pretrained")
+    parser.add_argument("--stage", choices=["pretrain", "teacher", "table"], default="table",
+                        help="run up to this stage (the earlier ones are cached)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    presets = [name for name in OBJECTIVES if name != "base"]
+    parser.add_argument("--objectives", nargs="+", default=presets, choices=presets)
+    parser.add_argument("--image-teacher", choices=["pretrained", "initial_student"], default="pretrained",
+                        help="CUSA's image teacher: the teacher stage's encoder, or the student's starting tower")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"))
+    args = parser.parse_args()
+    log.setup()  # pairsim's progress lines (PAIRSIM_LOG_LEVEL, else INFO)
+    out = args.out.resolve()
+    setting = SETTINGS[args.setting]
+    started = time.perf_counter()
+    extra: list[str] = list(setting.overrides)
+    base = teacher = None
+    if setting.pretrained:
+        base = cached_stage(out, "pretrain", PRETRAIN_CORPUS, [PROTOCOL / "pretrain.yaml"], [])
+        extra.append(f"model.init_from={base}")
+        if args.stage == "pretrain":
+            return
+        teacher = (cached_stage(out, "image-teacher", TEACHER_CORPUS, [PROTOCOL / "image_teacher.yaml"], [])
+                   if args.image_teacher == "pretrained" else None)
+        if args.stage == "teacher":
+            return
+    data = setting.corpus.ensure(out)
+    folder = out / (setting.name if args.image_teacher == "pretrained" else f"{setting.name}-initial-student-teacher")
+    folder.mkdir(parents=True, exist_ok=True)
+    results_file = folder / "results.json"
+    saved = json.loads(results_file.read_text()) if results_file.is_file() else {}
+
+    results: dict[str, list[dict[str, float]]] = {}
+    if base is not None:  # the pretrained model before any fine-tuning, on the same splits
+        base_key = f"base/{base.parent.name}"
+        if base_key not in saved:
+            base_cfg = load_config([DEMO_CONFIG], [f"data.path={data}"])
+            driver.init_ray(base_cfg)
+            saved[base_key] = {"row": evaluate_base(base, base_cfg), "seconds": 0.0}
+        results["base"] = [saved[base_key]["row"]]
+    for name in args.objectives:
+        for seed in args.seeds:
+            overrides = [f"data.path={data}", f"data.seed={seed}", f"train.seed={seed}", *extra]
+            if name.startswith("cusa") and teacher is not None:
+                overrides.append(f"loss.cusa.image_teacher={{kind: open_clip, arch: pairsim-tiny, path: {teacher}}}")
+            cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers], overrides)
+            key = f"{name}/seed{seed}"
+            protocol = digest(cfg.to_yaml(), setting.corpus)
+            if saved.get(key, {}).get("protocol") != protocol:
+                run_started = time.perf_counter()
+                run_cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers],
+                                      overrides + common(out, f"{setting.name}-{name}-seed{seed}-{protocol}"))
+                result = driver.fit(run_cfg)
+                saved[key] = {"protocol": protocol, "row": row(result.metrics, result.test_metrics),
+                              "seconds": time.perf_counter() - run_started, "mlflow_run_id": result.mlflow_run_id}
+                results_file.write_text(json.dumps(saved, indent=1))
+            results.setdefault(name, []).append(saved[key]["row"])
+    results_file.write_text(json.dumps(saved, indent=1))
+    run_seconds = sum(v["seconds"] for v in saved.values())
+    print_table(results, f"setting {setting.name}: {setting.corpus.num_train} train scenes, val {setting.corpus.num_val} "
+                         f"images, seeds {args.seeds}; last-epoch val and the hard split's RSUM (best checkpoint), "
+                         f"mean ± std; {run_seconds / 60:.0f} min of runs in all, "
+                         f"{(time.perf_counter() - started) / 60:.0f} min this call")
 
 
 if __name__ == "__main__":
