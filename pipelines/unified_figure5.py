@@ -4,9 +4,10 @@ on each of its statements.
     python pipelines/unified_figure5.py [--init-from MODEL] [--set KEY=VALUE ...] [--name NAME]
 
 Runs ``tune_spaces/unified_figure5.yaml`` — val RSUM at m ∈ {0, 0.1, 0.2, 0.3, 0.4} with γ = 60
-and at γ ∈ {20, 40, 60, 80, 100} with m = 0.2, 9 trials, each trained fully — from
-``--init-from`` (``--set model.init_from=MODEL``: the pretrained base of ``python
-pipelines/reproduce.py --stage pretrain``; the paper fine-tunes). Then draws the two curves with
+and at γ ∈ {20, 40, 60, 80, 100} with m = 0.2, 9 trials, each trained fully — fine-tuning, as
+the paper does: by default from the pretrained base of ``pipelines/reproduce.py`` (made there,
+or found in its cache under ``--out``) on its fine-tuning corpus, into its MLflow store;
+``--init-from MODEL`` starts from another model (then give ``--set data.path=DIR`` too). Then draws the two curves with
 the paper's three statements and a verdict each (:mod:`pairsim.tune.figures` states the rules)
 into ``unified_figure5.png`` and ``unified_figure5.json`` beside the sweep's ``results.csv``, logs
 them to the sweep's MLflow parent run and prints the points and the verdicts. ``--set`` takes
@@ -21,6 +22,7 @@ import sys
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import reproduce
 from pairsim import log
 from pairsim.config import ConfigError
 from pairsim.tune import figures
@@ -47,10 +49,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a key of the sweep file or its base config, as for pairsim tune")
     parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"),
+                        help="pipelines/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
     args = parser.parse_args(argv)
     log.setup()
     try:
-        sweep = load_sweep(SPACE, ([f"model.init_from={args.init_from}"] if args.init_from else []) + args.overrides)
+        if args.init_from:
+            start = [f"model.init_from={args.init_from}"]
+        else:  # the reproduction table's base, corpus and stores
+            out = args.out.resolve()
+            base = reproduce.cached_stage(out, "pretrain", reproduce.PRETRAIN_CORPUS, [reproduce.PROTOCOL / "pretrain.yaml"], [])
+            start = [f"model.init_from={base}", f"data.path={reproduce.SETTINGS['pretrained'].corpus.ensure(out)}",
+                     f"ray.storage_path={out / 'ray'}", f"tracking.tracking_uri=sqlite:///{out}/mlflow.db",
+                     "tracking.experiment=reproduce"]
+        sweep = load_sweep(SPACE, start + args.overrides)
         outcome = run_sweep(sweep, args.name)
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
