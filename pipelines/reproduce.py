@@ -3,6 +3,7 @@ to what its paper claims.
 
     python pipelines/reproduce.py                     # every stage; what is cached is reused
     python pipelines/reproduce.py --stage pretrain    # only the base CLIP (or --stage teacher)
+    python pipelines/reproduce.py --stage report      # the table from the runs saved so far, training nothing
     python pipelines/reproduce.py --setting scratch   # the from-scratch table instead
     python pipelines/reproduce.py --objectives infonce unified --seeds 0 --out bench_out/reproduce
 
@@ -26,8 +27,9 @@ Prints mean ± std over seeds of the last epoch's val i2t/t2i R@1, RSUM, i2i/t2t
 R@1 of the five modality-grid cells with a fused side, and the hard split's RSUM (best
 checkpoint); then each paper's claim and whether it holds: "holds" when the mean difference
 exceeds twice its standard error, "same sign, within noise" when it is positive but smaller,
-else "does not hold". Results go to ``OUT/<setting>/results.json`` as each run ends; a re-run
-skips the runs recorded there with the same protocol digest, so an interrupted table resumes.
+else "does not hold"; with one seed on a side it is not judged. Results go to
+``OUT/<setting>/results.json`` as each run ends; a re-run skips the runs recorded there with the
+same protocol digest, so an interrupted table resumes.
 """
 
 from __future__ import annotations
@@ -140,10 +142,12 @@ def digest(*parts: object) -> str:
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:10]
 
 
-def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extra: list[str]) -> Path:
+def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extra: list[str],
+                 train: bool = True) -> Path:
     """The export (``model.pt`` with its card) of a pretraining-like stage: trained once, with its
     own MLflow run, its best checkpoint exported into ``OUT/<stage>-<digest>/``; found there by
-    every later call with the same config and corpus. An interrupted stage resumes (same run name)."""
+    every later call with the same config and corpus. An interrupted stage resumes (same run name).
+    ``train=False``: not trained when missing (SystemExit)."""
     data = corpus.ensure(out)
     layers = [DEMO_CONFIG, objective_config("infonce"), *layers]
     key = digest(*(path.read_text() for path in layers), extra, corpus)  # what was asked, not how code reads it
@@ -151,6 +155,8 @@ def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extr
     if retrieval.exported_files(model)[2].is_file():
         print(f"{stage}: cached at {model} (val RSUM {json.loads(model.with_suffix('.json').read_text())['val']['val/rsum']:.2f})")
         return model
+    if not train:
+        raise SystemExit(f"{stage}: not made yet (no {model}); run without --stage report first")
     started = time.perf_counter()
     cfg = load_config(layers, [f"data.path={data}", "data.test_split=null", *extra, *common(out, f"{stage}-{key}")])
     result = driver.fit(cfg)
@@ -192,6 +198,9 @@ def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
             continue
         (mb, sb), (mw, sw) = mean_std(better), mean_std(worse)
         diff, stderr = mb - mw, math.sqrt(sb**2 / len(better) + sw**2 / len(worse))
+        if min(len(better), len(worse)) < 2:  # no spread to measure the noise by
+            parts.append(f"{column} {diff:+.2f}: not judged (one seed)")
+            continue
         word = ("holds" if diff > 2 * stderr and diff > 0 else "same sign, within noise" if diff > 0
                 else "does not hold")
         parts.append(f"{column} {diff:+.2f} ± {stderr:.2f}: {word}")
@@ -200,10 +209,10 @@ def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
 
 def print_table(results: dict[str, list[dict[str, float]]], title: str) -> None:
     print(f"\n{title}\n")
-    print(f"{'objective':14}" + "".join(f"{c:>16}" for c in COLUMNS))
+    print(f"{'objective':14} n" + "".join(f"{c:>16}" for c in COLUMNS))
     for name, rows in sorted(results.items(), key=lambda item: list(OBJECTIVES).index(item[0])):
         cells = [mean_std([r[c] for r in rows]) for c in COLUMNS]
-        print(f"{OBJECTIVES.get(name, name):14}" + "".join(
+        print(f"{OBJECTIVES.get(name, name):14} {len(rows)}" + "".join(
             f"{'—':>16}" if math.isnan(m) else f"{m:10.2f} ± {s:4.2f}" for m, s in cells))
     print()
     for claim in CLAIMS:
@@ -214,8 +223,9 @@ def print_table(results: dict[str, list[dict[str, float]]], title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", choices=list(SETTINGS), default="pretrained")
-    parser.add_argument("--stage", choices=["pretrain", "teacher", "table"], default="table",
-                        help="run up to this stage (the earlier ones are cached)")
+    parser.add_argument("--stage", choices=["pretrain", "teacher", "table", "report"], default="table",
+                        help="run up to this stage (the earlier ones are cached); report: print the table from "
+                             "the runs saved so far, training nothing")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     presets = [name for name in OBJECTIVES if name != "base"]
     parser.add_argument("--objectives", nargs="+", default=presets, choices=presets)
@@ -230,11 +240,12 @@ def main() -> None:
     extra: list[str] = list(setting.overrides)
     base = teacher = None
     if setting.pretrained:
-        base = cached_stage(out, "pretrain", PRETRAIN_CORPUS, [PROTOCOL / "pretrain.yaml"], [])
+        train = args.stage != "report"
+        base = cached_stage(out, "pretrain", PRETRAIN_CORPUS, [PROTOCOL / "pretrain.yaml"], [], train)
         extra.append(f"model.init_from={base}")
         if args.stage == "pretrain":
             return
-        teacher = (cached_stage(out, "image-teacher", TEACHER_CORPUS, [PROTOCOL / "image_teacher.yaml"], [])
+        teacher = (cached_stage(out, "image-teacher", TEACHER_CORPUS, [PROTOCOL / "image_teacher.yaml"], [], train)
                    if args.image_teacher == "pretrained" else None)
         if args.stage == "teacher":
             return
@@ -247,29 +258,32 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {}
     if base is not None:  # the pretrained model before any fine-tuning, on the same splits
         base_key = f"base/{base.parent.name}"
-        if base_key not in saved:
+        if base_key not in saved and args.stage != "report":
             base_cfg = load_config([DEMO_CONFIG], [f"data.path={data}"])
             driver.init_ray(base_cfg)
             saved[base_key] = {"row": evaluate_base(base, base_cfg), "seconds": 0.0}
-        results["base"] = [saved[base_key]["row"]]
-    for name in args.objectives:
-        for seed in args.seeds:
-            overrides = [f"data.path={data}", f"data.seed={seed}", f"train.seed={seed}", *extra]
-            if name.startswith("cusa") and teacher is not None:
-                overrides.append(f"loss.cusa.image_teacher={{kind: open_clip, arch: pairsim-tiny, path: {teacher}}}")
-            cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers], overrides)
-            key = f"{name}/seed{seed}"
-            protocol = digest(cfg.to_yaml(), setting.corpus)
-            if saved.get(key, {}).get("protocol") != protocol:
-                run_started = time.perf_counter()
-                run_cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers],
-                                      overrides + common(out, f"{setting.name}-{name}-seed{seed}-{protocol}"))
-                result = driver.fit(run_cfg)
-                saved[key] = {"protocol": protocol, "row": row(result.metrics, result.test_metrics),
-                              "seconds": time.perf_counter() - run_started, "mlflow_run_id": result.mlflow_run_id}
-                results_file.write_text(json.dumps(saved, indent=1))
-            results.setdefault(name, []).append(saved[key]["row"])
+        results["base"] = [saved[base_key]["row"]] if base_key in saved else []
+    # seed by seed, every objective at each: a table cut short compares like with like
+    for seed, name in ((seed, name) for seed in args.seeds for name in args.objectives):
+        overrides = [f"data.path={data}", f"data.seed={seed}", f"train.seed={seed}", *extra]
+        if name.startswith("cusa") and teacher is not None:
+            overrides.append(f"loss.cusa.image_teacher={{kind: open_clip, arch: pairsim-tiny, path: {teacher}}}")
+        cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers], overrides)
+        key = f"{name}/seed{seed}"
+        protocol = digest(cfg.to_yaml(), setting.corpus)
+        if saved.get(key, {}).get("protocol") != protocol:
+            if args.stage == "report":
+                continue
+            run_started = time.perf_counter()
+            run_cfg = load_config([DEMO_CONFIG, objective_config(name), *setting.layers],
+                                  overrides + common(out, f"{setting.name}-{name}-seed{seed}-{protocol}"))
+            result = driver.fit(run_cfg)
+            saved[key] = {"protocol": protocol, "row": row(result.metrics, result.test_metrics),
+                          "seconds": time.perf_counter() - run_started, "mlflow_run_id": result.mlflow_run_id}
+            results_file.write_text(json.dumps(saved, indent=1))
+        results.setdefault(name, []).append(saved[key]["row"])
     results_file.write_text(json.dumps(saved, indent=1))
+    results = {name: rows for name, rows in results.items() if rows}
     run_seconds = sum(v["seconds"] for v in saved.values())
     print_table(results, f"setting {setting.name}: {setting.corpus.num_train} train scenes, val {setting.corpus.num_val} "
                          f"images, seeds {args.seeds}; last-epoch val and the hard split's RSUM (best checkpoint), "
