@@ -245,8 +245,9 @@ def main() -> None:
         extra.append(f"model.init_from={base}")
         if args.stage == "pretrain":
             return
+        wants_teacher = args.stage == "teacher" or any(name.startswith("cusa") for name in args.objectives)
         teacher = (cached_stage(out, "image-teacher", TEACHER_CORPUS, [PROTOCOL / "image_teacher.yaml"], [], train)
-                   if args.image_teacher == "pretrained" else None)
+                   if args.image_teacher == "pretrained" and wants_teacher else None)
         if args.stage == "teacher":
             return
     data = setting.corpus.ensure(out)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pairsim.cli import DEMO_CONFIG, OBJECTIVES, objective_config
+from pairsim.cli import DEMO_CONFIG, objective_config, shipped_objectives
 from pairsim.config import load_config
 from pairsim.train.engine import deepspeed_config
 
@@ -111,7 +111,7 @@ def test_deepspeed_builds_the_schedule_and_no_warmup_starts_at_the_full_rate(war
     assert 1e-4 <= rates[-1] < 1.2e-4  # cosine down to min_lr_ratio × lr
 
 
-@pytest.mark.parametrize("preset", sorted(p.stem for p in OBJECTIVES.glob("*.yaml")))
+@pytest.mark.parametrize("preset", shipped_objectives())
 def test_every_objective_preset_gives_a_schedule_deepspeed_builds(preset):
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 

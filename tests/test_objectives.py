@@ -1,4 +1,5 @@
-"""End-to-end: each shipped objective preset trains under Ray Train + DeepSpeed and lowers its loss;
+"""End-to-end: every shipped objective preset trains under Ray Train + DeepSpeed, logs its terms
+and temperatures and lowers its loss;
 CUSA's teachers from disk (pipelines/extract_teacher.py) give the same loss as live teachers."""
 
 import numpy as np
@@ -10,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from pairsim.data import ingest
 from pairsim.teachers import encoders, store
 from pairsim.train import driver, worker
-from pairsim.cli import DEMO_CONFIG, objective_config
+from pairsim.cli import DEMO_CONFIG, objective_config, shipped_objectives
 from pairsim.config import load_config
 from pairsim.losses import build_objective
 
@@ -25,23 +26,37 @@ def run_config(dataset, work, objective, *extra):
         "data.test_split=null", *extra])  # test evaluation is covered in test_train
 
 
-@pytest.mark.parametrize("objective", ["unified", "gcl_infonce", "gcl_unified", "cusa_unified"])
-def test_each_objective_lowers_its_loss(objective, ray_instance, tiny_dataset, tmp_path):
-    # all 5 captions of every image: 40 steps in one epoch, and batches hold pairs of one image
-    result = driver.fit(run_config(tiny_dataset, tmp_path, objective, "data.pairs_per_image=5", "train.epochs=1"))
+# Each run: all 5 captions of every image, one epoch of 40 steps, batches holding pairs of one
+# image. A 10-step mean of the loss moves by ≤ 1.1 % over such a run at lr 1e-9 (measured for
+# every preset when this test was written; cusa_unified's by 0.1 %), and drops by 2.5 %
+# (cusa_paper, whose soft-label terms outweigh its base 256:1) to 60 % (gcl_*) at lr 1e-3: a
+# 2 % drop is learning, not noise.
+STEPS = 256 * 5 // 32
+DROP = 0.98
+
+
+@pytest.mark.parametrize("objective", shipped_objectives())
+def test_each_shipped_objective_trains_end_to_end_and_lowers_its_loss(objective, ray_instance, tiny_dataset, tmp_path):
+    cfg = run_config(tiny_dataset, tmp_path, objective, "data.pairs_per_image=5", "train.epochs=1")
+    result = driver.fit(cfg)
     client = MlflowClient(result.tracking_uri)
-    history = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key),
-                                             key=lambda m: m.step)]
-               for key in ("train/loss", "loss/base", "loss/csa", "loss/usa", "temperature/base")}
+    logged = set(client.get_run(result.mlflow_run_id).data.metrics)
+    history = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key), key=lambda m: m.step)]
+               for key in logged if key == "train/loss" or key.startswith(("loss/", "temperature/"))}
     losses = history["train/loss"]
-    assert len(losses) == 256 * 5 // 32
-    # a 10-step mean varies by ~0.6 % here: a 3 % drop is learning, not noise
+    assert len(losses) == STEPS
     start, end = np.mean(losses[:10]), np.mean(losses[-10:])
-    assert end < 0.97 * start, (objective, losses)
-    if objective == "cusa_unified":
-        assert len(history["loss/csa"]) == len(history["loss/usa"]) == len(losses)
-    if objective == "gcl_infonce":
-        assert all(0.01 <= t <= 0.1 for t in history["temperature/base"])
+    assert end < DROP * start, (objective, losses)
+    cusa = cfg.loss.cusa
+    terms = {"loss/csa", "loss/usa"} if cusa is not None else set()
+    assert terms <= logged and all(len(history[t]) == STEPS for t in terms), (objective, sorted(logged))
+    ranges = {"temperature/base": cfg.loss.base_params.temperature} if cfg.loss.base == "infonce" else {}
+    if cusa is not None:
+        ranges |= {f"temperature/{name}": getattr(cusa, f"{name}_temperature") for name in ("cross", "image", "text")}
+    for key, temperature in ranges.items():  # learnable ones stay in their range, fixed ones stay put
+        assert len(history[key]) == STEPS, (objective, key)
+        assert all(temperature.min - 1e-6 <= t <= temperature.max + 1e-6 for t in history[key]), (key, history[key])
+    assert {"val/rsum", "val/grid_fused2image_R@1"} <= logged  # validated, fused cells included
 
 
 def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_dataset, tmp_path):

@@ -38,11 +38,16 @@ def tracking_uri_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def shipped_objectives() -> list[str]:
+    """The names of the shipped objective presets (``configs/objectives/*.yaml``)."""
+    return sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))
+
+
 def objective_config(name: str) -> Path:
     """A shipped objective preset (``configs/objectives/<name>.yaml``) to layer on a run config."""
     path = OBJECTIVES / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))
+        known = shipped_objectives()
         raise ConfigError(f"--objective: unknown objective {name!r} (shipped: {', '.join(known)})")
     return path
 
@@ -272,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
     demo.add_argument("--objective", help="layer a shipped objective preset: "
-                                           + ", ".join(sorted(p.stem for p in OBJECTIVES.glob("*.yaml"))))
+                                           + ", ".join(shipped_objectives()))
     demo.add_argument("--sweep", action="store_true", help="instead of one run, a small ASHA sweep over the Unified "
                                                            "loss's margin and scale (configs/demo_sweep.yaml)")
     demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)

@@ -4,8 +4,9 @@ Each maps the model's image and text outputs [B, d], before the losses' and the 
 L2 normalisation, to a fused [B, d], and is registered in :data:`pairsim.registry.FUSIONS`
 under the name config uses. A model with a native fused encoder (VISTA-like) registers its own.
 
-The outputs are open_clip's forward (L2-normalised per tower) followed by the cross-modal
-heads when ``model.crossmodal_heads`` is on; without heads both fusions give the same vectors.
+The outputs are each tower's un-normalised output (open_clip's ``encode_image`` /
+``encode_text``), or the cross-modal heads on its normalised output when
+``model.crossmodal_heads`` is on (:class:`pairsim.models.retrieval.RetrievalModel`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from pairsim.registry import FUSIONS
 @FUSIONS.register("raw_sum")
 class RawSumFusion(torch.nn.Module):
     """UniIR's CLIP-SF score fusion as its code computes it (Wei et al., ECCV 2024), which GCL
-    (Lee et al., NeurIPS 2025) uses for dual encoders: normalize(image + text) of the outputs
-    as they are, so the longer of the two weighs more. UniIR sums un-normalised CLIP
-    embeddings; here the towers' outputs are normalised by open_clip's forward, so this differs
-    from ``normalized_sum`` only with cross-modal heads."""
+    (Lee et al., NeurIPS 2025) uses for dual encoders: normalize(image + text) of the
+    un-normalised outputs, so the tower with the longer output weighs more."""
 
     def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return F.normalize(image + text, dim=-1)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pairsim.config import ModelConfig
 from pairsim.models import clip
@@ -27,14 +28,21 @@ def projection_head(dim: int) -> torch.nn.Sequential:
 class RetrievalModel(torch.nn.Module):
     """An open_clip model plus the pieces pairsim's objectives read.
 
-    ``forward(image=None, text=None)`` returns a dict with ``image`` and ``text`` (cross-modal
-    embeddings, after the optional cross-modal heads), ``fused`` (when both are given and the
-    model has a fusion module: only GCL reads it) and
-    ``image_unimodal`` / ``text_unimodal`` (when uni-modal heads exist). open_clip's own
+    ``forward(image=None, text=None)`` returns a dict with ``image`` and ``text`` — the
+    cross-modal outputs **before** L2 normalisation: each tower's un-normalised output
+    (``encode_image`` / ``encode_text``), or the cross-modal heads applied to its normalised
+    output when the model has heads — ``fused`` (when both are given and the model has a fusion
+    module: only GCL reads it; the fusion sees those un-normalised outputs) and
+    ``image_unimodal`` / ``text_unimodal`` (the uni-modal heads on the normalised tower outputs,
+    when they exist). The losses and the evaluation L2-normalise what they score. open_clip's own
     ``logit_scale`` is frozen: the losses own their temperatures and scales.
 
-    The open_clip forward is what runs (not ``encode_*`` alone), so DeepSpeed ZeRO-3 gathers the
-    parameters the CLIP module holds directly (positional embedding, text projection).
+    The towers run through ``encode_*``, not the CLIP module's forward (which normalises), so
+    under DeepSpeed ZeRO-3 the parameters the CLIP module holds directly (positional embedding,
+    text projection) are read outside their module's forward: DeepSpeed's parameter getter
+    gathers them and registers them as external parameters of the running module on first
+    access (``deepspeed.zero.register_external_parameter`` done for us; checked on two ranks
+    against one process by ``tests/test_models.py``).
     """
 
     def __init__(self, open_clip_model: torch.nn.Module, dim: int, fusion: str | None = None,
@@ -51,14 +59,15 @@ class RetrievalModel(torch.nn.Module):
             {"image": projection_head(dim), "text": projection_head(dim)}) if unimodal_heads else None
 
     def forward(self, image: torch.Tensor | None = None, text: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        clip_out = self.clip(image=image, text=text)
         out = {}
-        for modality, features in (("image", clip_out.get("image_features")), ("text", clip_out.get("text_features"))):
-            if features is None:
+        for modality, inputs, encode in (("image", image, self.clip.encode_image), ("text", text, self.clip.encode_text)):
+            if inputs is None:
                 continue
-            out[modality] = self.cross_heads[modality](features) if self.cross_heads is not None else features
+            features = encode(inputs)
+            normalized = F.normalize(features, dim=-1)
+            out[modality] = self.cross_heads[modality](normalized) if self.cross_heads is not None else features
             if self.unimodal_heads is not None:
-                out[f"{modality}_unimodal"] = self.unimodal_heads[modality](features)
+                out[f"{modality}_unimodal"] = self.unimodal_heads[modality](normalized)
         if self.fusion is not None and image is not None and text is not None:
             out["fused"] = self.fusion(out["image"], out["text"])
         return out
