@@ -14,6 +14,7 @@ from pairsim.train import driver, worker
 from pairsim.cli import DEMO_CONFIG, objective_config, shipped_objectives
 from pairsim.config import load_config
 from pairsim.losses import build_objective
+from pairsim.tracking import metric_key
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def test_each_shipped_objective_trains_end_to_end_and_lowers_its_loss(objective,
     for key, temperature in ranges.items():  # learnable ones stay in their range, fixed ones stay put
         assert len(history[key]) == STEPS, (objective, key)
         assert all(temperature.min - 1e-6 <= t <= temperature.max + 1e-6 for t in history[key]), (key, history[key])
-    assert {"val/rsum", "val/grid_fused2image_R@1"} <= logged  # validated, fused cells included
+    assert {metric_key("val/rsum"), metric_key("val/grid_fused2image_R@1")} <= logged  # validated, fused cells too
 
 
 def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_dataset, tmp_path):
