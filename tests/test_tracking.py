@@ -37,6 +37,18 @@ def test_a_run_carries_user_source_commit_and_version(tmp_path):
     assert tags["mlflow.source.git.commit"] == head.stdout.strip()
 
 
+def test_experiments_are_tagged_for_the_training_runs_view_of_mlflows_ui(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    older = client.create_experiment("made-untagged")  # as a pairsim before the tag made it
+    for experiment in ("made-untagged", "new"):
+        cfg = load_config(None, [f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}"])
+        tracking.open_run(cfg, f"run-in-{experiment}", cfg.to_yaml(), {})
+        tags = client.get_experiment_by_name(experiment).tags
+        assert tags["mlflow.experimentKind"] == "custom_model_development", experiment
+    assert client.get_experiment_by_name("made-untagged").experiment_id == older
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     """One sqlite store for the module's tests (creating one takes seconds)."""

@@ -13,6 +13,7 @@ from mlflow.tracking import MlflowClient
 
 from pairsim import tracking
 from pairsim.tune import figures
+from pairsim.tune import results
 from pairsim.tune.results import TrialRow
 from pairsim.tune.space import load_sweep
 
@@ -138,3 +139,26 @@ def test_report_writes_and_logs_the_picture_and_the_verdicts(figure5, tmp_path):
     assert tags["pairsim.unified_figure5.2"].startswith("as γ grows, RSUM rises then falls: does not hold (best ")
     text = figures.summary(figure5, curves, verdicts, SWEEP.metric)
     assert "m at γ = 60:" in text and "       -" in text and verdicts[0].line() in text
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_trials_are_ranked_best_first_with_unscored_ones_last(mode):
+    rows = trials(lambda m, gamma: None if gamma == 100 else 100 * m + gamma)
+    order = results.ranked(list(reversed(rows)), mode)
+    values = [r.metric for r in order]
+    scored = [v for v in values if v is not None]
+    assert scored == sorted(scored, reverse=mode == "max") and values[len(scored):] == [None]
+    tied = trials(lambda m, gamma: 1.0)
+    assert [r.trial_id for r in results.ranked(list(reversed(tied)), mode)] == [r.trial_id for r in tied]
+
+
+def test_the_per_epoch_plot_has_whole_epochs_on_its_axis(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    rows = [TrialRow(f"{i}", "finished", 3, point, 1.0, curve=[(1, 1.0 + i), (2, 2.0 + i), (3, 2.5 + i)])
+            for i, point in enumerate(SWEEP.grid_points())]
+    results.plot(rows, SWEEP, tmp_path)
+    ticks = [t for t in saved[-1].axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks == [1, 2, 3]

@@ -118,10 +118,20 @@ def _artifact_location(uri: str) -> str | None:
     return None
 
 
+# MLflow 3's UI opens an experiment by this tag: on its training-runs table for this kind, on the
+# GenAI overview ("Traces: 0") for an untagged experiment it cannot place
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+    """The experiment named ``name`` (created, or tagged if an older pairsim made it untagged)."""
     experiment = client.get_experiment_by_name(name)
-    return experiment.experiment_id if experiment else client.create_experiment(
-        name, artifact_location=_artifact_location(uri))
+    if experiment is None:
+        return client.create_experiment(name, artifact_location=_artifact_location(uri), tags=EXPERIMENT_KIND)
+    for key, value in EXPERIMENT_KIND.items():
+        if key not in experiment.tags:
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
 
 
 def find_run(tracking_uri: str, run_name: str) -> str | None:

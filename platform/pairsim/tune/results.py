@@ -90,7 +90,13 @@ def trial_rows(grid, sweep: Sweep, children: list, sweep_name: str) -> list[Tria
         rows.append(TrialRow(trial_id, status, epochs, sweep.point_of(result.config),
                              pick((v for _, v in curve), default=None), runs.get(f"{sweep_name}-{trial_id}"),
                              error, curve))
-    return sorted(rows, key=lambda r: r.trial_id)
+    return ranked(rows, sweep.mode)
+
+
+def ranked(rows: list[TrialRow], mode: str) -> list[TrialRow]:
+    """Best metric first (``mode`` max or min), trials without one last; ties by trial id."""
+    sign = -1.0 if mode == "max" else 1.0
+    return sorted(rows, key=lambda r: (r.metric is None, 0.0 if r.metric is None else sign * r.metric, r.trial_id))
 
 
 def best_row(rows: list[TrialRow], sweep: Sweep) -> TrialRow | None:
@@ -139,6 +145,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     metric = sweep.metric.removeprefix("val/")
     scored = [r for r in rows if r.metric is not None]
@@ -199,6 +206,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     for status, color in STATUS_COLORS.items():
         ax.plot([], [], color=color, label=status)
     ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"val {metric}")
     ax.set_title(f"val {metric} per epoch of every trial")
     ax.legend(fontsize=8)
