@@ -57,3 +57,15 @@ def test_durations_and_the_training_eta_read_as_a_person_would():
     assert progress_eta(100, 64, 640.0) == "ETA 0m10s of training (+ validation)"  # 100 steps × 64 / 640 per s
     assert progress_eta(0, 64, 640.0) == "ETA 0m00s of training (+ validation)"
     assert progress_eta(5, 64, 0.0) == "ETA unknown"
+
+
+def test_known_third_party_warnings_are_quieted_and_others_are_not():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        log.setup()
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated. Please use "
+                      "`torch.distributed.all_gather_single` instead.", FutureWarning)
+        warnings.warn("something else is deprecated", FutureWarning)
+    assert [str(w.message) for w in caught] == ["something else is deprecated"]

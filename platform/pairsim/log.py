@@ -11,11 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from pairsim.config import ConfigError
 
 ENV_VAR = "PAIRSIM_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# other libraries' warnings a user can do nothing about, each printed by every worker of every
+# run: (category, message regex, why)
+QUIETED_WARNINGS = [
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+     "DeepSpeed's ZeRO calls it at every step (pairsim's own gathers use all_gather_single)"),
+]
 
 
 def duration(seconds: float) -> str:
@@ -39,8 +46,11 @@ def resolve_level(level: str | None = None) -> str:
 
 def setup(level: str | None = None) -> str:
     """Give the ``pairsim`` logger one handler at ``level`` (see :func:`resolve_level`); safe
-    to call again, in the driver and in every worker. Returns the level set."""
+    to call again, in the driver and in every worker; silences :data:`QUIETED_WARNINGS`.
+    Returns the level set."""
     chosen = resolve_level(level)
+    for category, message, _ in QUIETED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     root = logging.getLogger("pairsim")
     root.setLevel(chosen)
     if not any(getattr(h, "_pairsim", False) for h in root.handlers):
