@@ -199,30 +199,13 @@ def test_trials_that_do_not_fit_the_cluster_are_refused_before_the_sweep(ray_ins
     assert concurrency(sweep_with()) == 2 and concurrency(sweep_with(max_concurrent_trials=1)) == 1
 
 
-def test_two_trials_at_once_share_the_cpus_and_both_finish(ray_instance, tiny_dataset, tmp_path):
-    """Two concurrent trials on the session's 4 CPUs, each 1 worker + 1 CPU for Ray Data: both
-    stream their data and finish (no trial starves the other's ingest), and their runs overlap
-    in time. The trials' runs carry the sweep driver's source tags, not the trial actor's."""
-    from pairsim.tune.sweep import run_sweep
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    path = write_sweep(tmp_path / "pair.yaml", tiny_dataset, tmp_path / "ray", uri,
-                       {"loss.margin": {"grid": [0.1, 0.3]}},
-                       {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 2})
-    outcome = run_sweep(load_sweep(path, ["train.epochs=1"]), "pair")
-    assert [r.status for r in outcome.rows] == ["finished", "finished"]
-    runs = [MlflowClient(uri).get_run(r.run_id) for r in outcome.rows]
-    assert all("val/rsum" in run.data.metrics for run in runs)
-    (a, b) = [(run.info.start_time, run.info.end_time) for run in runs]
-    assert a[0] < b[1] and b[0] < a[1], "the trials ran one after the other"
-    assert {run.data.tags["mlflow.source.name"] for run in runs} == {tracking.context_tags()["mlflow.source.name"]}
-
-
 def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, tmp_path):
     """Three grids, two trials at once: m = 0.3 (γ the base's 20), γ = 40 (m the base's 0.1), and
     (0.3, 20) again. The union's two points run, once each, and not the cross of the keys (0.3,
     40); the table, results.csv, the plots, the parent's params and a child run per trial are
-    there as for any sweep."""
+    there as for any sweep. The two trials share the session's 4 CPUs, each 1 worker + 1 CPU
+    for Ray Data: both stream their data and finish (no trial starves the other's ingest), and
+    their runs overlap in time; they carry the sweep driver's source tags, not the trial actor's."""
     import csv
 
     from pairsim.tune.sweep import run_sweep
@@ -245,6 +228,11 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
     parent = client.get_run(outcome.parent_run_id)
     assert parent.data.params["space.1.loss.gamma"] == "grid[40]"
     assert {"results.csv", "best.yaml", *results.PLOTS} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    runs = [client.get_run(r.run_id) for r in outcome.rows]
+    assert all("val/rsum" in run.data.metrics for run in runs)
+    (a, b) = [(run.info.start_time, run.info.end_time) for run in runs]
+    assert a[0] < b[1] and b[0] < a[1], "the trials ran one after the other"
+    assert {run.data.tags["mlflow.source.name"] for run in runs} == {tracking.context_tags()["mlflow.source.name"]}
     for row in outcome.rows:
         child = client.get_run(row.run_id)
         assert child.data.tags[tracking.PARENT_TAG] == outcome.parent_run_id and child.info.status == "FINISHED"
