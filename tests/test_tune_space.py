@@ -553,13 +553,14 @@ def test_results_table_csv_and_plots_of_a_union(tmp_path):
                             metrics_dataframe=pd.DataFrame({"epoch": epochs, "val/rsum": [i + e for e in epochs]}))
             for i, point in enumerate(sweep.grid_points())]
     rows = results.trial_rows(grid, sweep, [], "fig5")
-    assert [r.point for r in rows] == sweep.grid_points()
-    assert [(r.metric, r.status) for r in rows[:2]] == [(sweep.epochs, "finished"), (sweep.epochs + 1, "finished")]
+    assert [r.point for r in rows] == sweep.grid_points()[::-1]  # best first: the metric grows with the index
+    assert [(r.metric, r.status) for r in rows[-2:]] == [(sweep.epochs + 1, "finished"), (sweep.epochs, "finished")]
     assert "margin" in results.table_header(sweep) and "gamma" in results.table_header(sweep)
-    assert results.format_row(rows[5], sweep).split()[1:3] == ["0.2", "20"]
+    fifth = next(r for r in rows if r.trial_id == "00005")
+    assert results.format_row(fifth, sweep).split()[1:3] == ["0.2", "20"]
     results.write_csv(rows, sweep, tmp_path / "results.csv")
     with open(tmp_path / "results.csv") as f:
         table = list(csv.DictReader(f))
     assert [(float(r["loss.margin"]), float(r["loss.gamma"])) for r in table] == [
-        (p["loss.margin"], p["loss.gamma"]) for p in sweep.grid_points()]
+        (p["loss.margin"], p["loss.gamma"]) for p in sweep.grid_points()[::-1]]
     assert all((tmp_path / name).stat().st_size > 0 for name in map(Path, results.plot(rows, sweep, tmp_path)))
