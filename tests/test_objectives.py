@@ -28,10 +28,10 @@ def run_config(dataset, work, objective, *extra):
 
 
 # Each run: all 5 captions of every image, one epoch of 40 steps, batches holding pairs of one
-# image. A 10-step mean of the loss moves by ≤ 1.1 % over such a run at lr 1e-9 (measured for
-# every preset when this test was written; cusa_unified's by 0.1 %), and drops by 2.5 %
-# (cusa_paper, whose soft-label terms outweigh its base 256:1) to 60 % (gcl_*) at lr 1e-3: a
-# 2 % drop is learning, not noise.
+# image. At lr 1e-9, cusa_unified's 10-step loss mean moved by 0.1 % over such a run; shorter
+# 16-step runs moved ≤ 1.1 % for the non-CUSA presets (cusa_paper's drift at 40 steps was not
+# measured). At lr 1e-3 the loss drops by 2.5 % (cusa_paper, whose soft-label terms outweigh its
+# base 256:1) to 60 % (gcl_*): a 2 % drop is taken as learning, not noise.
 STEPS = 256 * 5 // 32
 DROP = 0.98
 
