@@ -68,6 +68,12 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset)
                 "val/sim/positive_mean", "val/sim/hardest_negative_mean", "val/sim/gap"]:
         assert key in run.data.metrics, key
     assert run.data.metrics["data/skipped_images"] == 0
+    # where the start-up went, phase by phase, adding up to it
+    phases = {k: v for k, v in run.data.metrics.items() if k.startswith("perf/startup/")}
+    assert set(phases) == {f"perf/startup/{p}_s" for p in ("checks", "ray", "mlflow", "datasets", "worker_group", "engine",
+                                                            "restore", "worker_mlflow", "first_batch", "first_step")}
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) == pytest.approx(run.data.metrics["perf/startup_s"], abs=1e-3)
     # eval metrics once per epoch, at the epoch's last step
     rsum = history(client, first.mlflow_run_id, "val/rsum")
     assert [s for s, _ in rsum] == [STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3, 4)]

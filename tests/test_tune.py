@@ -127,6 +127,7 @@ def _children(uri: str, experiment: str) -> list:
     return [r for r in client.search_runs([found.experiment_id]) if tracking.PARENT_TAG in r.data.tags]
 
 
+@pytest.mark.extended  # ~6 min: three trial start-ups and two driver start-ups
 def test_a_sweep_driver_stopped_mid_sweep_resumes_into_the_same_parent(ray_instance, tiny_dataset, tmp_path):
     """Two trials drawn by Optuna, one at a time: the driver (a `pairsim tune` process on the
     session's Ray instance) gets SIGTERM (`ray job stop`, `kill`) once one trial has ended and the

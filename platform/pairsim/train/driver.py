@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import tempfile
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -33,7 +32,7 @@ from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import checkpoints, engine
 from pairsim.train.local_ray import start_local_instance
-from pairsim.train.worker import WorkerJob, selection_metric, train_loop_per_worker
+from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, train_loop_per_worker
 
 logger = log.get_logger("train")
 
@@ -236,9 +235,10 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
     ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
     :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from."""
-    started_at = time.time()
+    clock = StartupClock()
     cfg = cfg.with_absolute_paths()
     check_ready(cfg)
+    clock.lap("checks")
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
     per_epoch = steps_per_epoch(cfg)
     ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
@@ -246,9 +246,11 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     init_ray(cfg)
     check_cpu_budget(cfg)
     ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
+    clock.lap("ray")
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
                                tags=skipped_metrics_tag(cfg) | (trial.tags if trial else {}))
     tracking.log_datasets(tracking_uri, run_id, cfg.data, test=trial is None)  # trials are not tested
+    clock.lap("mlflow")
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
@@ -268,11 +270,12 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         callbacks = [TuneReportCallback()]
     run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
+    clock.lap("datasets")
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
-                                            started_at=started_at, run_dir=run_dir.uri)},
+                                            startup=clock, run_dir=run_dir.uri)},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(

@@ -43,8 +43,28 @@ class WorkerJob:
     tracking_uri: str
     ledger: str  # name of the run's skipped-image ledger actor
     log_level: str
-    started_at: float  # time.time() when the driver's fit began: perf/startup_s counts from it
+    startup: StartupClock  # started when the driver's fit began: perf/startup_s counts from it
     run_dir: str  # where the run's checkpoints are (a path or URI): resumes pick from them
+
+
+class StartupClock:
+    """Where a run's start-up goes: ``lap(phase)`` books the wall time since the previous lap
+    to ``phase``; the driver laps its phases, hands the clock to the workers (it pickles), and
+    rank 0 laps its own and logs them all at the first step as ``perf/startup/<phase>_s``
+    beside their sum, ``perf/startup_s`` (``fit`` called → first step done)."""
+
+    def __init__(self):
+        self.started = self.last = time.time()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.time()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def metrics(self) -> dict[str, float]:
+        return {f"perf/startup/{phase}_s": s for phase, s in self.phases.items()} | {
+            "perf/startup_s": self.last - self.started}
 
 
 def selection_metric(cfg: RunConfig) -> str:
@@ -165,11 +185,15 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     cfg = job.cfg
     log.setup(job.log_level)
     rank, world = dist.rank(), dist.world_size()
+    clock = job.startup
+    clock.lap("worker_group")  # the driver's TorchTrainer.fit → this loop: controller, workers, process group
 
     engine = engines.create_engine(cfg, job.deepspeed_config)
+    clock.lap("engine")
     dtype = engines.DTYPES[cfg.train.precision]
     live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
     start_epoch, step = checkpoints.restore(engine, job.run_dir)
+    clock.lap("restore")
     if rank == 0 and step:
         logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
 
@@ -178,6 +202,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     ledger = ray.get_actor(job.ledger)
     train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
+    clock.lap("worker_mlflow")
 
     try:
         for epoch in range(start_epoch, cfg.train.epochs):
@@ -189,6 +214,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
             for epoch_step, group in enumerate(micro_batches, start=1):
                 timer.batch_ready()
+                if epoch_step == 1 and epoch == start_epoch:
+                    clock.lap("first_batch")
                 try:
                     out = accumulation.train_step(engine, [
                         {"image": normalize(batch["pixels"].to(engine.device), dtype),
@@ -202,7 +229,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
                 step += 1
                 timer.step_done()
                 if run and epoch_step == 1 and epoch == start_epoch:
-                    run.log_metrics({"perf/startup_s": time.time() - job.started_at}, step)
+                    clock.lap("first_step")
+                    run.log_metrics(clock.metrics(), step)
                 if step % cfg.train.log_every_n_steps == 0:
                     logged = dist.mean_over_ranks({k: v for k, v in out.items() if k != "loss"} | {"train/loss": loss})
                     rate = timer.window_rate()
