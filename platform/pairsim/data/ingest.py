@@ -6,6 +6,12 @@ of steps whatever its shard holds (an uneven count would hang the collectives).
 
 Images that cannot be decoded are skipped, not fatal: each is recorded with its reason in a
 :class:`SkipLedger` actor that rank 0 reads for the ``data/skipped_images`` metric.
+
+Imports stay light (no torch, open_clip or torchvision at module level, and the map callables
+hold configs, not built transforms): Ray Train's dataset manager and Ray Data's split
+coordinator unpickle these callables without running them, and each is a process of its own
+per run, where importing open_clip cost 5–10 s of CPU at every start-up. The decode tasks
+import them when they first run a batch.
 """
 
 from __future__ import annotations
@@ -15,15 +21,14 @@ import io
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import functools
+
 import numpy as np
 import ray
-import torch
 from PIL import Image
 
-from pairsim import dist
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
-from pairsim.models import clip
 from pairsim.storage import filesystem_and_paths
 
 
@@ -83,11 +88,32 @@ class DecodeImages:
         return images, np.asarray(keep, dtype=np.int64)
 
 
-def _pixels(transform, images: list[Image.Image], input_size: tuple[int, int, int]) -> np.ndarray:
-    """uint8 [N, 3, H, W] (see :func:`pairsim.models.clip.image_transforms`)."""
-    if not images:
-        return np.zeros((0, *input_size), np.uint8)
-    return np.stack([transform(image) for image in images])
+class Pixels:
+    """Images → uint8 [N, 3, H, W] by the model's train (``augment``) or eval transform
+    (:func:`pairsim.models.clip.image_transforms`), built on first use."""
+
+    def __init__(self, model: ModelConfig, augment: bool | None):
+        self.model, self.augment = model, augment  # None: the eval transform
+
+    @functools.cached_property
+    def _transform_and_size(self):
+        from pairsim.models import clip
+
+        train, val = clip.image_transforms(self.model, augment=bool(self.augment))
+        return (val if self.augment is None else train), clip.preprocess_cfg(self.model).input_size
+
+    def __call__(self, images: list[Image.Image]) -> np.ndarray:
+        transform, input_size = self._transform_and_size
+        if not images:
+            return np.zeros((0, *input_size), np.uint8)
+        return np.stack([transform(image) for image in images])
+
+
+def tokenize(arch: str, texts: list[str]) -> np.ndarray:
+    """int64 [N, context length] tokens of ``texts`` by the architecture's tokenizer."""
+    from pairsim.models import clip
+
+    return clip.tokenizer(arch)(texts).numpy()
 
 
 def caption_picks(draws: np.ndarray, counts: np.ndarray, pairs: int | str) -> list[np.ndarray]:
@@ -114,8 +140,7 @@ class TrainPreprocess:
 
     def __init__(self, cfg: RunConfig, ledger_name: str, teachers: dict | None = None, store=None):
         self.decode = DecodeImages(ledger_name)
-        self.transform = clip.image_transforms(cfg.model, augment=cfg.data.augment)[0]
-        self.input_size = clip.preprocess_cfg(cfg.model).input_size
+        self.pixels = Pixels(cfg.model, augment=cfg.data.augment)
         self.arch, self.pairs = cfg.model.arch, cfg.data.pairs_per_image
         self.teachers, self.store = teachers or {}, store
 
@@ -125,11 +150,13 @@ class TrainPreprocess:
         image_of_pair = np.repeat(np.arange(len(keep)), [len(p) for p in picks]).astype(np.int64)
         caption_index = np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
         captions = [str(batch["captions"][keep[i]][k]) for i, k in zip(image_of_pair, caption_index)]
+        import torch
+
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use torch's global generator
             torch.manual_seed(int(batch["draw"][0] * 2**53) if len(batch["draw"]) else 0)
-            pixels = _pixels(self.transform, [images[i] for i in image_of_pair], self.input_size)
+            pixels = self.pixels([images[i] for i in image_of_pair])
         out = {"pixels": pixels,
-               "tokens": clip.tokenizer(self.arch)(captions).numpy(),
+               "tokens": tokenize(self.arch, captions),
                "group_ids": group_ids(batch["image_id"][keep])[image_of_pair],
                "caption_index": caption_index}
         if "image" in self.teachers and images:
@@ -147,13 +174,12 @@ class TrainPreprocess:
 class EvalImages:
     def __init__(self, cfg: RunConfig, ledger_name: str):
         self.decode = DecodeImages(ledger_name)
-        self.transform = clip.image_transforms(cfg.model, augment=False)[1]
-        self.input_size = clip.preprocess_cfg(cfg.model).input_size
+        self.pixels = Pixels(cfg.model, augment=None)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images, keep = self.decode(batch)
         return {"image_id": batch["image_id"][keep], "label": batch["label"][keep].astype(np.int64),
-                "pixels": _pixels(self.transform, images, self.input_size)}
+                "pixels": self.pixels(images)}
 
 
 class EvalTexts:
@@ -168,7 +194,7 @@ class EvalTexts:
         index = [k for caps in batch["captions"] for k in range(len(caps))]
         texts = [str(c) for caps in batch["captions"] for c in caps]
         return {"image_id": np.asarray(ids), "caption_index": np.asarray(index, dtype=np.int64),
-                "tokens": clip.tokenizer(self.arch)(texts).numpy()}
+                "tokens": tokenize(self.arch, texts)}
 
 
 class InSlices:
@@ -257,8 +283,8 @@ def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:
 
 @ray.remote
 def _start_ingest_worker(model: ModelConfig, augment: bool) -> None:
-    clip.image_transforms(model, augment=augment)
-    clip.tokenizer(model.arch)
+    Pixels(model, augment)([])
+    tokenize(model.arch, [])
 
 
 def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
@@ -284,6 +310,8 @@ def equal_steps(batches: Iterable[Any]) -> Iterator[Any]:
     device): when any rank's shard runs dry, all ranks stop together, so the collectives in
     the step never wait for a rank that has left the loop.
     """
+    from pairsim import dist  # torch: run in the training workers only
+
     if not dist.is_distributed():
         yield from batches
         return
