@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 from pairsim import tracking
@@ -74,7 +75,7 @@ def main() -> None:
         print(f"{p:<16}" + "".join(f"{r[p]:9.1f}" for r in runs) + f"{median[p]:9.1f}")
     ratio = median["total"] / floor
     print(f"\nmedian start-up / floor: {ratio:.2f}× (target ≤ 3×)" + ("" if len(runs) > 1 else " (one run: cold)"))
-    commit = tracking.context_tags()["mlflow.source.git.commit"]
+    commit = tracking.context_tags()[MLFLOW_GIT_COMMIT]
     (out / "startup.json").write_text(json.dumps({"commit": commit, "floor_s": floor, "runs": runs, "median": median,
                                                   "ratio_to_floor": ratio}, indent=2))
     print(f"written: {out / 'startup.json'} (commit {commit})")

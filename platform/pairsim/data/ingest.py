@@ -16,12 +16,11 @@ import them when they first run a batch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 from collections.abc import Iterable, Iterator
 from typing import Any
-
-import functools
 
 import numpy as np
 import ray
@@ -89,24 +88,30 @@ class DecodeImages:
 
 
 class Pixels:
-    """Images → uint8 [N, 3, H, W] by the model's train (``augment``) or eval transform
-    (:func:`pairsim.models.clip.image_transforms`), built on first use."""
+    """Images → uint8 [N, 3, H, W] by the model's train transform (with ``augment``) or, with
+    ``for_eval``, its eval transform (:func:`pairsim.models.clip.image_transforms`), built on
+    first use. A ``seed`` fixes the random augmentation of one call."""
 
-    def __init__(self, model: ModelConfig, augment: bool | None):
-        self.model, self.augment = model, augment  # None: the eval transform
+    def __init__(self, model: ModelConfig, augment: bool = False, for_eval: bool = False):
+        self.model, self.augment, self.for_eval = model, augment, for_eval
 
     @functools.cached_property
     def _transform_and_size(self):
         from pairsim.models import clip
 
-        train, val = clip.image_transforms(self.model, augment=bool(self.augment))
-        return (val if self.augment is None else train), clip.preprocess_cfg(self.model).input_size
+        train, val = clip.image_transforms(self.model, augment=self.augment)
+        return (val if self.for_eval else train), clip.preprocess_cfg(self.model).input_size
 
-    def __call__(self, images: list[Image.Image]) -> np.ndarray:
+    def __call__(self, images: list[Image.Image], seed: int | None = None) -> np.ndarray:
+        import torch
+
         transform, input_size = self._transform_and_size
         if not images:
             return np.zeros((0, *input_size), np.uint8)
-        return np.stack([transform(image) for image in images])
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):  # torchvision draws from torch's global generator
+            if seed is not None:
+                torch.manual_seed(seed)
+            return np.stack([transform(image) for image in images])
 
 
 def tokenize(arch: str, texts: list[str]) -> np.ndarray:
@@ -150,12 +155,8 @@ class TrainPreprocess:
         image_of_pair = np.repeat(np.arange(len(keep)), [len(p) for p in picks]).astype(np.int64)
         caption_index = np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
         captions = [str(batch["captions"][keep[i]][k]) for i, k in zip(image_of_pair, caption_index)]
-        import torch
-
-        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use torch's global generator
-            torch.manual_seed(int(batch["draw"][0] * 2**53) if len(batch["draw"]) else 0)
-            pixels = self.pixels([images[i] for i in image_of_pair])
-        out = {"pixels": pixels,
+        seed = int(batch["draw"][0] * 2**53) if len(batch["draw"]) else 0
+        out = {"pixels": self.pixels([images[i] for i in image_of_pair], seed),
                "tokens": tokenize(self.arch, captions),
                "group_ids": group_ids(batch["image_id"][keep])[image_of_pair],
                "caption_index": caption_index}
@@ -174,7 +175,7 @@ class TrainPreprocess:
 class EvalImages:
     def __init__(self, cfg: RunConfig, ledger_name: str):
         self.decode = DecodeImages(ledger_name)
-        self.pixels = Pixels(cfg.model, augment=None)
+        self.pixels = Pixels(cfg.model, for_eval=True)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         images, keep = self.decode(batch)

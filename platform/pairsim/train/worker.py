@@ -214,7 +214,8 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
             for epoch_step, group in enumerate(micro_batches, start=1):
                 timer.batch_ready()
-                if epoch_step == 1 and epoch == start_epoch:
+                first_of_attempt = epoch_step == 1 and epoch == start_epoch
+                if first_of_attempt:
                     clock.lap("first_batch")
                 try:
                     out = accumulation.train_step(engine, [
@@ -228,7 +229,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
                 engines.clamp_temperatures(engine)
                 step += 1
                 timer.step_done()
-                if run and epoch_step == 1 and epoch == start_epoch:
+                if run and first_of_attempt:
                     clock.lap("first_step")
                     run.log_metrics(clock.metrics(), step)
                 if step % cfg.train.log_every_n_steps == 0:
