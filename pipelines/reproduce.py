@@ -105,7 +105,10 @@ class Corpus:
                             hard_negatives=self.hard_negatives, captions=self.captions)
 
     def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:10]
+        """Names the data's directory: its arguments, and for hard splits the families' version (a
+        split the generator now draws differently is made anew, not reused)."""
+        families = f"/families-v{synth.FAMILIES_VERSION}" if self.hard_negatives else ""
+        return hashlib.sha256((repr(self) + families).encode()).hexdigest()[:10]
 
 
 @dataclass

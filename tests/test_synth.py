@@ -1,5 +1,6 @@
 import io
 import json
+import random
 
 import pyarrow.parquet as pq
 import pytest
@@ -112,7 +113,8 @@ def test_hard_split_is_families_differing_in_one_attribute(tmp_path):
     manifest = synth.generate(tmp_path, num_train=8, num_val=10, num_test=0, progress=False, hard_negatives=("val",),
                               seed=3)
     assert manifest["splits"]["val"]["images"] == 10  # two families and a half: the last one cut
-    assert manifest["generator"]["hard_negatives"] == {"splits": ["val"], "family": ["base", "colour", "shape", "relation"]}
+    assert manifest["generator"]["hard_negatives"] == {"splits": ["val"], "family": ["base", "colour", "shape", "relation"],
+                                                       "version": synth.FAMILIES_VERSION}
     rows = shards.read_table(shards.split_shards(tmp_path, "val")).to_pylist()
     assert [r["source"].split("/", 2)[2] for r in rows[:5]] == [
         "family=0/base", "family=0/colour", "family=0/shape", "family=0/relation", "family=1/base"]
@@ -159,3 +161,27 @@ def test_variants_change_exactly_one_attribute_of_the_scene():
 def test_only_val_and_test_can_be_hard(tmp_path):
     with pytest.raises(ValueError, match="only the val and test splits can be hard, not train"):
         synth.generate(tmp_path, num_train=4, num_val=4, num_test=0, progress=False, hard_negatives=("train",))
+
+
+def test_family_base_objects_are_never_alike():
+    """Objects 1 and 2 of a family's base differ in shape or colour, else the relation variant
+    (the two swapped) is an image its base's captions describe too. The first scene with a
+    relation that each family's RNG draws is alike in ~1 of 30 families: those are drawn again."""
+    def first_with_relation(rng):
+        objects, relation = synth.sample_scene(rng)
+        while relation is None:
+            objects, relation = synth.sample_scene(rng)
+        return objects
+
+    keys = [random.Random(f"pairsim-shapes/0/test/family-{f}") for f in range(600)]
+    alike_at_first = [f for f, rng in enumerate(keys) if synth.same_kind(*first_with_relation(rng)[:2])]
+    assert len(alike_at_first) >= 5  # the case this guards against is there to be hit
+    for f in range(600):
+        objects, relation = synth.family_scene(random.Random(f"pairsim-shapes/0/test/family-{f}"))
+        assert relation is not None and not synth.same_kind(objects[0], objects[1])
+        if f not in alike_at_first:  # every other family keeps the scene it always had
+            assert objects == first_with_relation(random.Random(f"pairsim-shapes/0/test/family-{f}"))
+    assert not synth.same_kind(synth.SceneObject("circle", "red", "small", (0, 0)),
+                               synth.SceneObject("circle", "blue", "small", (1, 0)))
+    assert synth.same_kind(synth.SceneObject("circle", "red", "small", (0, 0)),
+                           synth.SceneObject("circle", "red", "large", (1, 0)))

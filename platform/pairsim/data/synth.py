@@ -225,6 +225,7 @@ def make_record(seed: int, split: str, index: int, image_size: int, captions: st
 
 
 VARIANTS = ("colour", "shape", "relation")  # what each member after a family's first changes
+FAMILIES_VERSION = 2  # 2: a family's objects 1 and 2 are never same_kind (1 drew them as they came)
 
 
 def vary(objects: list[SceneObject], relation: str, variant: str,
@@ -241,14 +242,30 @@ def vary(objects: list[SceneObject], relation: str, variant: str,
     return objects, relation
 
 
+def same_kind(a: SceneObject, b: SceneObject) -> bool:
+    """Objects a caption may name alike ("a red circle"): same shape and colour, whatever their size
+    (captions leave the size out 30 % of the time). Swapping two such objects gives an image that
+    the base's relation captions describe as well as the variant's."""
+    return (a.shape, a.colour) == (b.shape, b.colour)
+
+
+def family_scene(rng: random.Random) -> tuple[list[SceneObject], str]:
+    """A family's base scene: two or three objects whose first two are not :func:`same_kind`
+    (drawn again until so), so the relation variant's captions are false of the base image and
+    the base's of the variant."""
+    objects, relation = sample_scene(rng)
+    while relation is None or same_kind(objects[0], objects[1]):
+        objects, relation = sample_scene(rng)
+    return objects, relation
+
+
 def family_records(seed: int, split: str, family: int, first_index: int, image_size: int) -> list[dict]:
     """A hard-negative family: a scene with a relation and its :data:`VARIANTS`, rendered with one
-    background and jitter and captioned from one aligned RNG state (:func:`captions_for`)."""
+    background and jitter and captioned from one aligned RNG state (:func:`captions_for`). The base
+    is :func:`family_scene`'s."""
     key = f"pairsim-shapes/{seed}/{split}/family-{family}"
     rng = random.Random(key)
-    objects, relation = sample_scene(rng)
-    while relation is None:
-        objects, relation = sample_scene(rng)
+    objects, relation = family_scene(rng)
     members = [("base", objects, relation)] + [(v, *vary(objects, relation, v, rng)) for v in VARIANTS]
     return [_record(scene, render(scene, image_size, random.Random(f"{key}/render")),
                     captions_for(scene, rel, random.Random(f"{key}/captions"), aligned=True),
@@ -290,7 +307,8 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
         out, source="pairsim-shapes", splits=counts,
         generator={"seed": seed, "image_size": image_size, "labels": LABELS}
         | ({"captions": captions} if captions != "scene" else {})  # plain manifests as they were
-        | ({"hard_negatives": {"splits": sorted(hard_negatives), "family": ["base", *VARIANTS]}}
+        | ({"hard_negatives": {"splits": sorted(hard_negatives), "family": ["base", *VARIANTS],
+                               "version": FAMILIES_VERSION}}
            if hard_negatives else {}),
     )
 
