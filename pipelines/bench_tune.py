@@ -10,20 +10,29 @@ one plain run of the base config on the same instance. Prints each sweep's best 
 trial-epochs and wall time, and the start-up of a trial (trial start → its first training step,
 ``perf/startup_s``) against the plain run's (``fit`` called → first step, Ray already up).
 
+Then a trial's start-up by phase (``perf/startup/<phase>_s`` of every trial's MLflow run, see
+:class:`pairsim.train.worker.StartupClock`), the medians, and the median trial start-up against
+the floor of ``bench_startup.py`` (a fresh process importing torch, deepspeed and open_clip and
+building the model), measured in the same run; all of it, with the commit, to OUT/tune.json.
+
 Targets: ASHA's best within 1 RSUM point of FIFO's with at most half its trial-epochs; a
-trial's start-up at most 1.2× a plain run's.
+trial's start-up at most 1.2× a plain run's and at most 3× the floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
 
 import yaml
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+from bench_startup import floor_seconds
 from pairsim import tracking
 from pairsim.data import synth
 from pairsim.train import driver
@@ -50,6 +59,14 @@ def startup_seconds(tracking_uri: str, run_id: str) -> float:
     return MlflowClient(tracking_uri).get_metric_history(run_id, "perf/startup_s")[0].value
 
 
+def startup_phases(tracking_uri: str, run_id: str) -> dict[str, float]:
+    """A run's first start-up by phase (a resumed trial logs another at its resume)."""
+    client = MlflowClient(tracking_uri)
+    names = [k for k in client.get_run(run_id).data.metrics if k.startswith("perf/startup/")] + ["perf/startup_s"]
+    return {k.removeprefix("perf/startup/").removesuffix("_s").replace("perf/startup", "total"):
+            min(client.get_metric_history(run_id, k), key=lambda m: m.step).value for k in names}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-train", type=int, default=1000)
@@ -63,6 +80,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = synth.ensure(out / f"shapes-{args.num_train}", num_train=args.num_train, num_val=args.num_val, num_test=0)
 
+    floor = floor_seconds()
     stamp = time.strftime("%H%M%S")
     rows = {}
     for scheduler in ("fifo", "asha"):
@@ -91,7 +109,22 @@ def main() -> None:
     print(f"ASHA / FIFO trial-epochs: {epochs_ratio:.2f} (target ≤ 0.5)")
     print(f"start-up: plain run {plain_startup:.1f} s, trial median {trial_startup:.1f} s, "
           f"ratio {trial_startup / plain_startup:.2f} (target ≤ 1.2)")
-    print(f"MLflow: {tracking.resolve_tracking_uri(sweep.base.tracking.tracking_uri)}")
+    trials = [startup_phases(outcome.tracking_uri, r.run_id) for outcome, _, _ in rows.values()
+              for r in outcome.rows if r.run_id]
+    phases = list(dict.fromkeys(p for t in trials for p in t if p != "total")) + ["total"]
+    median = {p: statistics.median(t[p] for t in trials if p in t) for p in phases}
+    print(f"\ntrial start-up by phase, median of {len(trials)} trials (s):")
+    print("  ".join(f"{p} {median[p]:.1f}" for p in phases))
+    print(f"trial start-up / floor ({floor:.1f} s: imports + model in a fresh process): "
+          f"{median['total'] / floor:.2f}× (target ≤ 3×)")
+    commit = tracking.context_tags()[MLFLOW_GIT_COMMIT]
+    (out / "tune.json").write_text(json.dumps({
+        "commit": commit, "floor_s": floor, "plain_startup_s": plain_startup, "trial_startup_median": median,
+        "trial_startups": trials, "ratio_to_floor": median["total"] / floor, "ratio_to_plain": trial_startup / plain_startup,
+        "sweeps": {k: {"best": o.best.metric, "trial_epochs": sum(r.epochs for r in o.rows), "wall_s": w}
+                   for k, (o, w, _) in rows.items()}}, indent=2))
+    print(f"MLflow: {tracking.resolve_tracking_uri(sweep.base.tracking.tracking_uri)}; written: {out / 'tune.json'} "
+          f"(commit {commit})")
 
 
 if __name__ == "__main__":
