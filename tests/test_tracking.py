@@ -37,15 +37,21 @@ def test_a_run_carries_user_source_commit_and_version(tmp_path):
     assert tags["mlflow.source.git.commit"] == head.stdout.strip()
 
 
-def test_experiments_are_tagged_for_the_training_runs_view_of_mlflows_ui(tmp_path):
+def test_experiments_are_tagged_and_linked_in_the_training_runs_workspace_of_mlflows_ui(tmp_path):
+    """The kind tag on new and older experiments; the printed link opens the run in the UI's
+    "Model training" workspace (checked by hand in headless Chromium on MLflow 3.17.2: without
+    ?workflowType=machine_learning the UI opens the GenAI overview, tag or not)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     older = client.create_experiment("made-untagged")  # as a pairsim before the tag made it
     for experiment in ("made-untagged", "new"):
         cfg = load_config(None, [f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}"])
-        tracking.open_run(cfg, f"run-in-{experiment}", cfg.to_yaml(), {})
+        run_id = tracking.open_run(cfg, f"run-in-{experiment}", cfg.to_yaml(), {})
         tags = client.get_experiment_by_name(experiment).tags
         assert tags["mlflow.experimentKind"] == "custom_model_development", experiment
+        experiment_id = client.get_experiment_by_name(experiment).experiment_id
+        assert tracking.ui_url(uri, run_id) == (f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}"
+                                                "?workflowType=machine_learning")
     assert client.get_experiment_by_name("made-untagged").experiment_id == older
 
 

@@ -118,9 +118,20 @@ def _artifact_location(uri: str) -> str | None:
     return None
 
 
-# MLflow 3's UI opens an experiment by this tag: on its training-runs table for this kind, on the
-# GenAI overview ("Traces: 0") for an untagged experiment it cannot place
+# The experiment's kind in MLflow 3 (the UI's experiment-kind selector shows it). It does not
+# choose what the UI opens: MLflow 3.17's UI opens every experiment in its "GenAI" workspace
+# (an overview of traces) unless the URL says ?workflowType=machine_learning (ui_url).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
+def ui_url(tracking_uri: str, run_id: str) -> str:
+    """The run's page in the MLflow UI, in its "Model training" workspace (runs, charts and
+    artifacts) rather than the GenAI one MLflow 3 opens by default: on the tracking server of an
+    http(s) URI, else on a local ``mlflow ui``."""
+    experiment = MlflowClient(tracking_uri).get_run(run_id).info.experiment_id
+    server = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{server}/#/experiments/{experiment}/runs/{run_id}?workflowType=machine_learning"
 
 
 def _experiment_id(client: MlflowClient, name: str, uri: str) -> str:
