@@ -102,6 +102,8 @@ def _deepspeed_worker(rank, world):
             return (float(master) if master is not None else param.item(), engine.module.temperature().item())
 
         results[stage, precision] = drive(step, lambda push, engine=engine, x=x: engine(x, push), stored)
+        clamp_temperatures(engine, to_init=True)  # a PBT clone with a mutated τ init: collective at ZeRO-3
+        results[stage, precision, "reset"] = (*stored(), engine(x, 1.0).item())
     return results
 
 
@@ -119,3 +121,15 @@ def test_temperature_returns_from_its_bound_in_a_deepspeed_engine(stage, precisi
         assert used_at_bound == pytest.approx(HIGH, rel=1e-6)
         assert LOW <= master_after < HIGH * 0.9, f"rank {rank}: τ did not come back ({master_after})"
         assert used_after == pytest.approx(master_after, rel=1e-2)  # bf16 module copy: 3 digits
+
+
+@pytest.mark.parametrize("stage,precision", ENGINES)
+def test_temperature_is_set_back_to_its_init_in_a_deepspeed_engine(stage, precision, deepspeed_results):
+    """``clamp_temperatures(engine, to_init=True)`` after training moved τ: the stored value
+    (fp32 master, or the module's copy at ZeRO-0) and the value the next forward uses are the
+    configured init (0.05) on every rank."""
+    digits = 1e-6 if stage > 0 or precision == "fp32" else 4e-3
+    for rank, results in deepspeed_results.items():
+        master, used, forward = results[stage, precision, "reset"]
+        assert master == pytest.approx(0.05, rel=digits), f"rank {rank}: stored τ {master}"
+        assert used == pytest.approx(0.05, rel=1e-2) and forward == pytest.approx(0.05, rel=1e-2), (rank, used, forward)

@@ -240,3 +240,79 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
         assert (float(child.data.params["loss.margin"]), float(child.data.params["loss.gamma"])) == (
             row.point["loss.margin"], row.point["loss.gamma"])
     assert load_config(outcome.out_dir / "best.yaml") == sweep.trial_config(outcome.best.point)
+
+
+def test_pbt_a_weak_trial_continues_from_a_strong_ones_checkpoint(ray_instance, tiny_dataset, tmp_path):
+    """Population Based Training, 4 trials of 2 epochs taking turns on the instance (one at a
+    time: each pauses after epoch 1 and resumes from its checkpoint). Learning rates 2e-3, 1e-7,
+    2e-3, 1e-7: once all four have reported epoch 1, the lower half (lr 1e-7, learns nothing)
+    continues from the upper half's epoch-1 checkpoints with their hyperparameters explored
+    (lr ×1.2 or ×0.8, or drawn anew). Its MLflow child run records the clone and its learning rate
+    per epoch; the population picture is in the parent run."""
+    from pairsim.tune.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write_sweep(tmp_path / "pbt.yaml", tiny_dataset, tmp_path / "ray", uri,
+                       {"optim.lr": {"grid": [2.0e-3, 1.0e-7, 2.0e-3, 1.0e-7]}},
+                       {"search": "grid", "num_samples": 1, "scheduler": "pbt", "max_concurrent_trials": 1,
+                        "pbt": {"perturbation_interval": 1, "quantile_fraction": 0.5,
+                                "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}})
+    sweep = load_sweep(path)
+    outcome = run_sweep(sweep, "pbt")
+    assert len(outcome.rows) == 4 and {r.status for r in outcome.rows} == {"finished"}
+    assert all(r.epochs == 2 for r in outcome.rows)
+    by_id = {r.trial_id: r for r in outcome.rows}
+    first, second, third, fourth = sorted(by_id)  # Tune numbers the grid's trials in order
+    clone = by_id[second]  # the lower half (lr 1e-7) continues from the upper half (lr 2e-3)
+    assert [e for e, _ in clone.clones] == [1] and clone.clones[0][1] in (first, third), [
+        (r.trial_id, r.point, r.clones) for r in outcome.rows]
+    assert not by_id[first].clones and not by_id[third].clones
+    assert 1.0e-4 <= clone.point["optim.lr"] <= 3.0e-3  # the first's 2e-3, explored and clipped
+    curve = dict(clone.curve)
+    assert curve[2] > curve[1] + 20, curve  # from the first's weights: far above what lr 1e-7 reached
+    client = MlflowClient(uri)
+    child = client.get_run(clone.run_id)
+    assert child.data.tags["pairsim.pbt.cloned_from"] == clone.clones[0][1]
+    lrs = [m.value for m in sorted(client.get_metric_history(clone.run_id, "hparam/optim.lr"), key=lambda m: m.step)]
+    assert lrs[0] == pytest.approx(1.0e-7) and lrs[-1] == pytest.approx(clone.point["optim.lr"]), lrs
+    assert (tmp_path / "ray" / "pbt" / "runs" / f"pbt-{second}.before-epoch-1").is_dir()  # its own lineage, set aside
+    assert "metric_vs_epoch.png" in {a.path for a in client.list_artifacts(outcome.parent_run_id)}
+    assert load_config(outcome.out_dir / "best.yaml") == sweep.trial_config(outcome.best.point)
+
+
+def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path):
+    """Optuna's multi-objective TPE over m and γ for val RSUM and image→image mAP@R, 3 trials of
+    one epoch: the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
+    values in ``results.csv``), each front trial's ``front/<trial>.yaml`` is its run config, and
+    the parent run holds the front, its picture and those files."""
+    import csv
+
+    from pairsim.tune.results import pareto_front
+    from pairsim.tune.sweep import run_sweep
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    path = write_sweep(tmp_path / "front.yaml", tiny_dataset, tmp_path / "ray", uri,
+                       {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 60]}},
+                       {"search": "optuna", "num_samples": 3, "metric": ["rsum", "i2i_mAP@R"],
+                        "max_concurrent_trials": 1})
+    sweep = load_sweep(path, ["train.epochs=1"])
+    outcome = run_sweep(sweep, "front")
+    assert len(outcome.rows) == 3 and {r.status for r in outcome.rows} == {"finished"}
+    assert all(set(r.values) == {"val/rsum", "val/i2i_mAP@R"} for r in outcome.rows)
+    with open(outcome.out_dir / "pareto.csv") as f:
+        front = list(csv.DictReader(f))
+    with open(outcome.out_dir / "results.csv") as f:
+        table = {r["trial_id"]: (float(r["last val/rsum"]), float(r["last val/i2i_mAP@R"])) for r in csv.DictReader(f)}
+    on_front = {r["trial_id"] for r in front}
+    assert on_front == {r.trial_id for r in pareto_front(outcome.rows, sweep.objectives)}
+    for trial, (rsum, mapr) in table.items():  # dominated iff off the front, from the CSV's numbers
+        beaten = any(o[0] >= rsum and o[1] >= mapr and o != (rsum, mapr) for o in table.values())
+        assert beaten == (trial not in on_front), (trial, table, on_front)
+    for row in front:
+        point = {k: float(row[k]) for k in sweep.keys}
+        assert load_config(outcome.out_dir / "front" / f"{row['trial_id']}.yaml") == sweep.trial_config(point)
+    client = MlflowClient(uri)
+    artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
+    assert {"pareto.csv", "pareto.png", "front", "results.csv", "best.yaml"} <= artifacts
+    assert len(client.list_artifacts(outcome.parent_run_id, "front")) == len(front)
+    assert client.get_run(outcome.parent_run_id).data.params["sweep.metric"] == "val/rsum,val/i2i_mAP@R"

@@ -564,3 +564,113 @@ def test_results_table_csv_and_plots_of_a_union(tmp_path):
     assert [(float(r["loss.margin"]), float(r["loss.gamma"])) for r in table] == [
         (p["loss.margin"], p["loss.gamma"]) for p in sweep.grid_points()[::-1]]
     assert all((tmp_path / name).stat().st_size > 0 for name in map(Path, results.plot(rows, sweep, tmp_path)))
+
+
+# 8. Population Based Training ----------------------------------------------------------------------
+
+PBT = {"scheduler": "pbt", "search": "random", "num_samples": 4,
+       "pbt": {"perturbation_interval": 1, "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}}
+
+
+@pytest.mark.parametrize("space, sweep, prefix, expected", [
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"search": "optuna"}, "sweep.search:", r"use random or grid"),
+    ([{"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [40]}}], PBT | {"search": "grid"},
+     "sweep.scheduler:", r"a list of grids runs with fifo or asha"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}},
+     PBT | {"pbt": {"mutations": {"train.zero_stage": {"choice": [0, 2]}}}},
+     "sweep.pbt.mutations.train.zero_stage:", r"cannot change mid-run.*checkpoint"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {"loss.gamma": {"grid": [20, 40]}}}},
+     "sweep.pbt.mutations.loss.gamma:", r"grid is not a mutation; write choice"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}},
+     PBT | {"pbt": {"perturbation_interval": 6, "mutations": {"optim.lr": {"uniform": [1.0e-4, 1.0e-3]}}}},
+     "sweep.pbt.perturbation_interval:", r"6 epochs, but a trial runs 6: no trial would ever be perturbed"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {}}}, "sweep.pbt", r"at least one key"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pbt"}, "sweep", r"pbt: scheduler pbt needs its settings"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"scheduler": "asha"}, "sweep", r"pbt: only for scheduler pbt"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}},
+     PBT | {"pbt": {"mutations": {"loss.margin": {"uniform": [0.0, 3.0]}}}},
+     "sweep.pbt.mutations.loss.margin:", r"high 3.0 gives an invalid run config"),
+], ids=["with-optuna", "with-a-union", "a-key-the-checkpoint-fixes", "grid-mutation", "interval-past-the-end",
+        "no-mutations", "no-settings", "pbt-settings-under-asha", "mutation-out-of-range"])
+def test_bad_pbt_setting_is_named(tmp_path, space, sweep, prefix, expected):
+    message = sweep_error(write_sweep(tmp_path, space=space, sweep=sweep))
+    assert re.search(expected, line_of(message, prefix)), message
+    assert error_count(message) == 1, message
+
+
+def test_pbt_mutations_start_in_the_space_and_explore_stays_inside(tmp_path):
+    """A mutated key the space leaves out starts from its mutation's distribution; an explored
+    config (PBT multiplies by 1.2 or 0.8) is clipped into each distribution, quantized where the
+    distribution is, and gives a valid run config."""
+    sweep = load_sweep(write_sweep(tmp_path, base=INFONCE, space={"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}},
+                                   sweep=PBT | {"pbt": {"mutations": {
+                                       "optim.lr": {"loguniform": [1.0e-4, 1.0e-3]},
+                                       "loss.temperature.init": {"quniform": [0.02, 0.05, 0.01]},
+                                       "loss.temperature.max": {"choice": [0.05, 0.1]}}}}))
+    assert sweep.keys == ["optim.lr", "loss.temperature.init", "loss.temperature.max"]
+    assert sweep.param_space()["loss.temperature.init"].lower == 0.02
+    explored = sweep.explore({"optim.lr": 1.2e-3, "loss.temperature.init": 0.05 * 1.2, "loss.temperature.max": 0.05,
+                              "other": "kept"})
+    assert explored == {"optim.lr": 1.0e-3, "loss.temperature.init": 0.05, "loss.temperature.max": 0.05,
+                        "other": "kept"}
+    assert sweep.explore({"optim.lr": 0.8e-4, "loss.temperature.init": 0.03 * 0.8, "loss.temperature.max": 0.1}) == {
+        "optim.lr": 1.0e-4, "loss.temperature.init": 0.02, "loss.temperature.max": 0.1}
+    assert sweep.trial_config(sweep.point_of(explored)).loss.base_params.temperature.max == 0.05
+
+
+# 9. several metrics: a Pareto front ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sweep, prefix, expected", [
+    ({"metric": ["rsum", "i2i_mAP@R"], "scheduler": "asha"}, "sweep.scheduler:",
+     r"asha ranks trials by one metric; a sweep over several .* runs with fifo"),
+    ({"metric": ["rsum", "i2i_mAP@R"], "scheduler": "pbt", "search": "random",
+      "pbt": {"mutations": {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}}}}, "sweep.scheduler:", r"pbt ranks"),
+    ({"metric": ["rsum", "nonsense"]}, "sweep.metric.1:", r"'nonsense' is not a metric"),
+    ({"metric": ["rsum", "val/rsum"]}, "sweep.metric:", r"names a metric twice"),
+    ({"metric": ["rsum", "t2i_median_rank"], "mode": ["max", "max"]}, "sweep.mode:",
+     r"'max', but val/t2i_median_rank is ranked 'min'"),
+    ({"metric": ["rsum", "i2i_mAP@R"], "mode": ["max"]}, "sweep.mode:", r"1 mode\(s\) for 2 metric\(s\)"),
+], ids=["asha", "pbt", "unknown-second-metric", "twice", "wrong-mode", "modes-short"])
+def test_bad_multi_objective_setting_is_named(tmp_path, sweep, prefix, expected):
+    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                      sweep={"search": "optuna"} | sweep))
+    assert re.search(expected, line_of(message, prefix)), message
+    assert error_count(message) == 1, message
+
+
+def test_several_metrics_run_fifo_and_the_first_picks_checkpoints(tmp_path):
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                   sweep={"metric": ["val/i2i_mAP@R", "t2i_median_rank"], "search": "optuna"}))
+    assert sweep.settings.scheduler == "fifo" and sweep.settings.asha is None
+    assert sweep.objectives == [("val/i2i_mAP@R", "max"), ("val/t2i_median_rank", "min")]
+    assert sweep.multi_objective and sweep.base.eval.select_metric == "i2i_mAP@R"
+    assert sweep.params()["sweep.metric"] == "val/i2i_mAP@R,val/t2i_median_rank"
+    single = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+                                    sweep={"metric": ["rsum"]}, name="one.yaml"))
+    assert not single.multi_objective and single.settings.scheduler == "asha"
+
+
+def test_pareto_front_is_what_no_trial_dominates():
+    """Random trials on two objectives (one max, one min) and three (a tie): every trial off the
+    front is dominated by one on it, none on it by any trial (checked pairwise here, apart from
+    the implementation), and trials without every value take no part."""
+    from pairsim.tune.results import TrialRow, pareto_front
+
+    rng = np.random.default_rng(0)
+    for objectives in ([("a", "max"), ("b", "min")], [("a", "max"), ("b", "max"), ("c", "min")]):
+        rows = [TrialRow(f"t{i}", "finished", 1, {}, None, values={m: float(rng.integers(0, 6)) for m, _ in objectives})
+                for i in range(40)] + [TrialRow("failed", "failed", 0, {}, None, values={"a": 99.0})]
+        sign = {m: 1 if mode == "max" else -1 for m, mode in objectives}
+
+        def dominates(p, q):
+            better_or_equal = all(sign[m] * p.values[m] >= sign[m] * q.values[m] for m in sign)
+            return better_or_equal and any(sign[m] * p.values[m] > sign[m] * q.values[m] for m in sign)
+
+        front = pareto_front(rows, objectives)
+        scored = rows[:-1]
+        assert front and "failed" not in {r.trial_id for r in front}
+        assert all(not any(dominates(q, p) for q in scored) for p in front)
+        assert all(any(dominates(p, q) for p in front) for q in scored if q not in front)
+        firsts = [sign["a"] * r.values["a"] for r in front]
+        assert firsts == sorted(firsts, reverse=True)

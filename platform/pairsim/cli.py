@@ -53,9 +53,12 @@ def objective_config(name: str) -> Path:
 
 
 def _print_run(run_id: str, tracking_uri: str) -> None:
+    from pairsim.tracking import ui_url
+
     print(f"\nMLflow run {run_id} in {storage.masked(tracking_uri)}")
     if tracking_uri.startswith("sqlite:///"):
         print(f"look at it with:  mlflow ui --host 127.0.0.1 --backend-store-uri {storage.masked(tracking_uri)}")
+    print(f"then open:  {storage.masked(ui_url(tracking_uri, run_id))}")
 
 
 def _train(cfg: RunConfig) -> None:
@@ -90,6 +93,12 @@ def _tune(space: Path, overrides: list[str], name: str | None, resume: str | Non
     if outcome.best:
         print(f"\nbest: trial {outcome.best.trial_id}, {sweep.metric} = {outcome.best.metric:.2f}; its config: "
               f"{outcome.out_dir / 'best.yaml'}\nreproduce it with:  pairsim train --config {outcome.out_dir / 'best.yaml'}")
+    if sweep.multi_objective:
+        front = results.pareto_front(outcome.rows, sweep.objectives)
+        print(f"\nPareto front over {', '.join(m for m, _ in sweep.objectives)} (last epoch): "
+              + "; ".join(f"{r.trial_id} (" + ", ".join(f"{r.values[m]:.2f}" for m, _ in sweep.objectives) + ")"
+                          for r in front)
+              + f"\nin {outcome.out_dir / 'pareto.csv'}, each point's config in {outcome.out_dir / 'front'}/")
     print(f"results.csv and plots in {outcome.out_dir}; resume or extend with:  pairsim tune --space {space} "
           f"--name {outcome.name}")
     _print_run(outcome.parent_run_id, outcome.tracking_uri)

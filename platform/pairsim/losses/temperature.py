@@ -42,7 +42,7 @@ class Temperature(nn.Module):
         super().__init__()
         if not 0 < min <= init <= max:
             raise ValueError(f"temperature needs 0 < min <= init <= max, got {min}, {init}, {max}")
-        self.min, self.max = min, max
+        self.init, self.min, self.max = init, min, max
         self.value = nn.Parameter(torch.tensor([float(init)]), requires_grad=learnable)
         _LIVE.add(self)
 
@@ -64,9 +64,9 @@ class Temperature(nn.Module):
         return f"min={self.min}, max={self.max}, learnable={self.value.requires_grad}"
 
 
-def temperatures(module: nn.Module) -> list[Temperature]:
-    """The learnable :class:`Temperature` submodules of ``module``."""
-    return [m for m in module.modules() if isinstance(m, Temperature) and m.value.requires_grad]
+def temperatures(module: nn.Module, fixed: bool = False) -> list[Temperature]:
+    """The learnable :class:`Temperature` submodules of ``module`` (``fixed``: all of them)."""
+    return [m for m in module.modules() if isinstance(m, Temperature) and (fixed or m.value.requires_grad)]
 
 
 def _clamp_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
 from pairsim import jobs, log, storage, tracking
@@ -219,13 +219,30 @@ def check_cpu_budget(cfg: RunConfig) -> None:
 @dataclass(frozen=True)
 class SweepTrial:
     """What makes a run one trial of a Ray Tune sweep (:mod:`pairsim.tune`): its per-epoch
-    metrics go to Tune (``TuneReportCallback``), its MLflow run is a child of the sweep's run
-    (``tags``), worker-group start-up is retried a bounded number of times (a trial that cannot
-    get its workers fails instead of holding the sweep), and nothing is exported or tested:
-    the sweep's ``best.yaml`` reproduces the trial that wins."""
+    metrics and checkpoints go to the trial function (:class:`TrialReporter` into ``reports``),
+    which reports them to Tune; its MLflow run is a child of the sweep's run (``tags``) and logs
+    the ``logged_params`` keys each epoch as ``hparam/<key>`` (a PBT trial's schedule);
+    ``reset_temperatures`` sets every τ to its configured init after the checkpoint is loaded (a
+    PBT clone whose τ init was mutated). Worker-group start-up is retried a bounded number of
+    times (a trial that cannot get its workers fails instead of holding the sweep), and nothing
+    is exported or tested: the sweep's ``best.yaml`` reproduces the trial that wins."""
 
     parent_run_id: str
     tags: dict[str, str]
+    reports: Any  # a ray.util.queue.Queue the trial function reads
+    logged_params: tuple[str, ...] = ()
+    reset_temperatures: bool = False
+
+
+class TrialReporter(UserCallback):
+    """On the Train controller: each epoch's rank-0 report and its checkpoint's path, handed to
+    the trial function through ``queue`` (one at a time: the run waits for Tune to take it)."""
+
+    def __init__(self, queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        self.queue.put((dict(metrics[0]), checkpoint.path if checkpoint else None))
 
 
 STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
@@ -264,10 +281,8 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     failure_config = FailureConfig(max_failures=cfg.ray.max_failures)
     callbacks = []
     if trial:
-        from ray.tune.integration.ray_train import TuneReportCallback
-
         failure_config = FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=STARTUP_RETRIES)
-        callbacks = [TuneReportCallback()]
+        callbacks = [TrialReporter(trial.reports)]
     run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
     clock.lap("datasets")
@@ -275,7 +290,10 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         train_loop_per_worker,
         train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
-                                            startup=clock, run_dir=run_dir.uri)},
+                                            startup=clock, run_dir=run_dir.uri,
+                                            logged_params={f"hparam/{key}": float(cfg.flat()[key])
+                                                           for key in (trial.logged_params if trial else ())},
+                                            reset_temperatures=bool(trial and trial.reset_temperatures))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(

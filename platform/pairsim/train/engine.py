@@ -179,7 +179,7 @@ def _master_fragment(optimizer, param: torch.nn.Parameter) -> torch.Tensor | Non
 
 
 @torch.no_grad()
-def clamp_temperatures(engine) -> None:
+def clamp_temperatures(engine, to_init: bool = False) -> None:
     """Clamp every learnable temperature of the engine's module into its range after
     ``engine.step()``: the fp32 master copy the optimizer steps (this rank's fragment under
     ZeRO-1/2, its partition under ZeRO-3, the flat or per-parameter copy of ZeRO-0 with bf16 or
@@ -187,17 +187,27 @@ def clamp_temperatures(engine) -> None:
 
     Local on every rank (no collective); the module's copy of a parameter ZeRO-3 has partitioned
     away is refreshed from the master at the next step, and used clamped meanwhile.
+
+    ``to_init``: set every temperature, fixed ones too, to its configured ``init`` instead (a
+    PBT trial that continues from another's checkpoint with a mutated τ init); collective under
+    ZeRO-3, where the module's copy is gathered to be set.
     """
+    import deepspeed
     from deepspeed.utils import safe_get_local_fp32_param, safe_set_local_fp32_param
 
-    for temperature in temperatures(engine.module):
-        param, low, high = temperature.value, temperature.min, temperature.max
-        if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition, padding past ds_numel left alone
+    for temperature in temperatures(engine.module, fixed=to_init):
+        param = temperature.value
+        low, high = (temperature.init, temperature.init) if to_init else (temperature.min, temperature.max)
+        if param.requires_grad and hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition, padding left alone
             local = safe_get_local_fp32_param(param).clone()
             local.narrow(0, 0, max(0, min(local.numel(), param.ds_numel - local.numel() * dist.rank()))).clamp_(low, high)
             safe_set_local_fp32_param(param, local)
-        else:
+        elif param.requires_grad:
             master = _master_fragment(engine.optimizer, param)
             if master is not None:
                 master.clamp_(low, high)
-        temperature.clamp_()  # the module's copy (at ZeRO-0 fp32 the master itself)
+        if to_init:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.fill_(temperature.init)
+        else:
+            temperature.clamp_()  # the module's copy (at ZeRO-0 fp32 the master itself)

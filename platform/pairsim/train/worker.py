@@ -45,6 +45,8 @@ class WorkerJob:
     log_level: str
     startup: StartupClock  # started when the driver's fit began: perf/startup_s counts from it
     run_dir: str  # where the run's checkpoints are (a path or URI): resumes pick from them
+    logged_params: dict[str, float]  # logged with each epoch's val metrics (a PBT trial's hyperparameters)
+    reset_temperatures: bool  # every τ to its configured init once the checkpoint is loaded
 
 
 class StartupClock:
@@ -193,9 +195,12 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
     dtype = engines.DTYPES[cfg.train.precision]
     live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
     start_epoch, step = checkpoints.restore(engine, job.run_dir)
+    if step and job.reset_temperatures:
+        engines.clamp_temperatures(engine, to_init=True)
     clock.lap("restore")
     if rank == 0 and step:
-        logger.info("resumed from checkpoint: epoch %d, step %d", start_epoch + 1, step)
+        logger.info("resumed from checkpoint: epoch %d, step %d%s", start_epoch + 1, step,
+                    "; temperatures set to their init" if job.reset_temperatures else "")
 
     run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s, tolerate_outage=True,
                      continues_run=True) if rank == 0 else None)
@@ -248,7 +253,7 @@ def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
             metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
             card = None
             if run:
-                run.log_metrics(timer.metrics(), step)
+                run.log_metrics(timer.metrics() | job.logged_params, step)
                 run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
                 shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
                 logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(

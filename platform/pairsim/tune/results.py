@@ -6,6 +6,7 @@ trial — written beside the Tune experiment and logged to the sweep's MLflow pa
 from __future__ import annotations
 
 import csv
+import json
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ PLOTS = ("metric_vs_params.png", "parallel_coordinates.png", "metric_vs_epoch.pn
 STATUS_COLORS = {"finished": "tab:blue", "stopped early": "tab:orange", "failed": "tab:red"}
 MLFLOW_STATUS = {"finished": "FINISHED", "stopped early": "KILLED", "failed": "FAILED"}  # of a trial's child run
 STATUS_TAG = "pairsim.trial_status"
+CLONE_TAG_PREFIX = "pairsim.pbt.clone."  # + the epoch a PBT trial took another's checkpoint at
 
 
 @dataclass
@@ -34,6 +36,8 @@ class TrialRow:
     run_id: str | None = None
     error: str = ""
     curve: list[tuple[int, float]] = field(default_factory=list)  # (epoch, metric)
+    clones: list[tuple[int, str]] = field(default_factory=list)  # PBT: (epoch, trial continued from)
+    values: dict[str, float] = field(default_factory=dict)  # each objective at the last epoch (multi-objective)
 
 
 def _short(key: str) -> str:
@@ -45,8 +49,10 @@ def _value(value: Any) -> str:
 
 
 def _widths(sweep: Sweep) -> list[tuple[str, int]]:
+    others = [(f"last {m.removeprefix('val/')}", max(len(m), 9)) for m, _ in sweep.objectives[1:]]
     return ([("trial", 8)] + [(_short(k), max(len(_short(k)), 9)) for k in sweep.keys]
-            + [(sweep.metric.removeprefix("val/"), max(len(sweep.metric) - 4, 8)), ("epochs", 6), ("status", 13)])
+            + [(sweep.metric.removeprefix("val/"), max(len(sweep.metric) - 4, 8)), *others, ("epochs", 6),
+               ("status", 13)])
 
 
 def table_header(sweep: Sweep) -> str:
@@ -57,7 +63,9 @@ def table_header(sweep: Sweep) -> str:
 
 def format_row(row: TrialRow, sweep: Sweep) -> str:
     cells = [row.trial_id[-8:]] + [_value(row.point.get(k, "")) for k in sweep.keys]
-    cells += ["-" if row.metric is None else f"{row.metric:.2f}", str(row.epochs), row.status]
+    cells += ["-" if row.metric is None else f"{row.metric:.2f}"]
+    cells += [f"{row.values[m]:.2f}" if m in row.values else "-" for m, _ in sweep.objectives[1:]]
+    cells += [str(row.epochs), row.status]
     line = "  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _widths(sweep)))
     return line + (f"  {row.error.splitlines()[-1][:200]}" if row.error else "")
 
@@ -72,7 +80,7 @@ def trial_error(error_file: str | None) -> str:
 
 def trial_rows(grid, sweep: Sweep, children: list, sweep_name: str) -> list[TrialRow]:
     """A row per trial of Tune's ``ResultGrid``, matched to its MLflow child run."""
-    runs = {run.data.tags.get(tracking.RUN_NAME_TAG): run.info.run_id for run in children}
+    runs = {run.data.tags.get(tracking.RUN_NAME_TAG): run for run in children}
     pick = max if sweep.mode == "max" else min
     rows = []
     for result in grid:
@@ -87,9 +95,16 @@ def trial_rows(grid, sweep: Sweep, children: list, sweep_name: str) -> list[Tria
             error = str(result.error).strip().splitlines()[-1] if str(result.error).strip() else type(result.error).__name__
         else:
             status, error = ("finished" if epochs >= sweep.epochs else "stopped early"), ""
+        values = {}
+        if frame is not None and len(frame) and "epoch" in frame:
+            last = frame.sort_values("epoch", kind="stable").iloc[-1]
+            values = {m: float(last[m]) for m, _ in sweep.objectives if m in last and not math.isnan(last[m])}
+        run = runs.get(f"{sweep_name}-{trial_id}")
+        clones = sorted((int(tag.removeprefix(CLONE_TAG_PREFIX)), json.loads(value)["from"])
+                        for tag, value in (run.data.tags.items() if run else ()) if tag.startswith(CLONE_TAG_PREFIX))
         rows.append(TrialRow(trial_id, status, epochs, sweep.point_of(result.config),
-                             pick((v for _, v in curve), default=None), runs.get(f"{sweep_name}-{trial_id}"),
-                             error, curve))
+                             pick((v for _, v in curve), default=None), run and run.info.run_id, error, curve, clones,
+                             values))
     return ranked(rows, sweep.mode)
 
 
@@ -107,21 +122,84 @@ def best_row(rows: list[TrialRow], sweep: Sweep) -> TrialRow | None:
     return (max if sweep.mode == "max" else min)(scored, key=lambda r: r.metric)
 
 
-def best_yaml(best: TrialRow, sweep: Sweep, sweep_name: str) -> str:
-    """The best trial's full run config, which ``pairsim train --config best.yaml`` reproduces."""
+def pareto_front(rows: list[TrialRow], objectives: list[tuple[str, str]]) -> list[TrialRow]:
+    """The trials no other trial dominates (at least as good on every objective, better on one),
+    by their last epoch's values; trials lacking a value take no part. Best first on the first
+    objective."""
+    signs = [1.0 if mode == "max" else -1.0 for _, mode in objectives]
+    scored = [(r, [s * r.values[m] for s, (m, _) in zip(signs, objectives)]) for r in rows
+              if all(m in r.values for m, _ in objectives)]
+    front = [r for r, mine in scored
+             if not any(all(o >= v for o, v in zip(other, mine)) and other != mine for _, other in scored)]
+    return sorted(front, key=lambda r: -signs[0] * r.values[objectives[0][0]])
+
+
+def best_yaml(best: TrialRow, sweep: Sweep, sweep_name: str, what: str = "Best trial",
+              reproduce: str = "best.yaml") -> str:
+    """A trial's full run config (the best one's, or a Pareto-front point's), which ``pairsim
+    train --config <file>`` reproduces."""
     point = ", ".join(f"{k}={_value(v)}" for k, v in best.point.items())
-    return (f"# Best trial {best.trial_id} of sweep {sweep_name}: {sweep.metric} = {best.metric:.2f} "
-            f"({sweep.mode}) at {point}.\n# Reproduce: pairsim train --config best.yaml\n"
-            + sweep.trial_config(best.point).to_yaml())
+    scores = (", ".join(f"{m} = {best.values[m]:.2f} ({mode}, last epoch)" for m, mode in sweep.objectives)
+              if what != "Best trial" else f"{sweep.metric} = {best.metric:.2f} ({sweep.mode})")
+    return (f"# {what} {best.trial_id} of sweep {sweep_name}: {scores} at {point}.\n"
+            f"# Reproduce: pairsim train --config {reproduce}\n" + sweep.trial_config(best.point).to_yaml())
 
 
 def write_csv(rows: list[TrialRow], sweep: Sweep, path: Path) -> None:
+    """One row per trial: its point, its best value of the metric, and (multi-objective) each
+    objective's last-epoch value."""
+    others = [m for m, _ in sweep.objectives[1:]] if sweep.multi_objective else []
+    last = [f"last {m}" for m, _ in sweep.objectives] if sweep.multi_objective else []
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial_id", "status", "epochs", *sweep.keys, sweep.metric, "mlflow_run_id", "error"])
+        writer.writerow(["trial_id", "status", "epochs", *sweep.keys, sweep.metric, *last, "mlflow_run_id", "error"])
         for row in rows:
             writer.writerow([row.trial_id, row.status, row.epochs, *(row.point.get(k) for k in sweep.keys),
-                             "" if row.metric is None else row.metric, row.run_id or "", row.error])
+                             "" if row.metric is None else row.metric,
+                             *(row.values.get(m, "") for m in ([sweep.metric] + others if last else [])),
+                             row.run_id or "", row.error])
+
+
+def write_front(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
+    """A multi-objective sweep's Pareto front: ``pareto.csv`` (its trials, best first on the first
+    objective), ``pareto.png`` (every trial on the first two objectives, the front drawn) and
+    ``front/<trial>.yaml`` per front point (its run config, as ``best.yaml`` is)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    front = pareto_front(rows, sweep.objectives)
+    (out_dir / "front").mkdir(exist_ok=True)
+    with open(out_dir / "pareto.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["trial_id", *sweep.keys, *(m for m, _ in sweep.objectives), "mlflow_run_id"])
+        for row in front:
+            writer.writerow([row.trial_id, *(row.point.get(k) for k in sweep.keys),
+                             *(row.values[m] for m, _ in sweep.objectives), row.run_id or ""])
+    written = [out_dir / "pareto.csv"]
+    for row in front:
+        path = out_dir / "front" / f"{row.trial_id}.yaml"
+        path.write_text(best_yaml(row, sweep, out_dir.name, "Pareto-front trial", f"front/{path.name}"))
+        written.append(path)
+    (x, x_mode), (y, y_mode) = sweep.objectives[:2]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    scored = [r for r in rows if x in r.values and y in r.values]
+    ax.scatter([r.values[x] for r in scored], [r.values[y] for r in scored], c="tab:grey", alpha=0.6, label="trial")
+    steps = sorted(front, key=lambda r: r.values[x])
+    ax.plot([r.values[x] for r in steps], [r.values[y] for r in steps], "o-", color="tab:red", label="Pareto front")
+    for row in front:
+        ax.annotate(row.trial_id[-5:], (row.values[x], row.values[y]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xlabel(f"{x} ({x_mode} is better)")
+    ax.set_ylabel(f"{y} ({y_mode} is better)")
+    ax.set_title(f"{len(front)} of {len(scored)} trials on the Pareto front (last epoch)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "pareto.png", dpi=110)
+    plt.close(fig)
+    return [*written, out_dir / "pareto.png"]
 
 
 def _log_scaled(values: list[float]) -> bool:
@@ -199,16 +277,31 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    population = sweep.settings.scheduler == "pbt"  # a colour per trial, its clones drawn
+    colours = {row.trial_id: plt.get_cmap("tab10")(i % 10) for i, row in enumerate(rows)}
     for row in rows:
         if row.curve:
             epochs, values = zip(*row.curve)
-            ax.plot(epochs, values, marker="o", color=STATUS_COLORS[row.status], alpha=0.8)
-    for status, color in STATUS_COLORS.items():
-        ax.plot([], [], color=color, label=status)
+            ax.plot(epochs, values, marker="o", alpha=0.8,
+                    color=colours[row.trial_id] if population else STATUS_COLORS[row.status],
+                    label=row.trial_id[-8:] if population else None)
+    curves = {row.trial_id: dict(row.curve) for row in rows}
+    for row in rows:
+        for epoch, donor in row.clones:  # the donor's value where it was cloned → the clone's next epoch
+            after = [(e, v) for e, v in row.curve if e > epoch]
+            if epoch in curves.get(donor, {}) and after:
+                ax.plot([epoch, after[0][0]], [curves[donor][epoch], after[0][1]], ls="--", color="grey", lw=1)
+                ax.plot(epoch, curves[donor][epoch], marker="*", ms=14, color=colours[row.trial_id], mec="black")
+    if population:
+        ax.plot([], [], ls="--", marker="*", color="grey", mec="black", label="continued from (PBT exploit)")
+    else:
+        for status, color in STATUS_COLORS.items():
+            ax.plot([], [], color=color, label=status)
     ax.set_xlabel("epoch")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel(f"val {metric}")
-    ax.set_title(f"val {metric} per epoch of every trial")
+    ax.set_title(f"val {metric} per epoch of every trial" + (
+        " (★: a trial took the checkpoint of the one it is drawn from)" if population else ""), fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -236,12 +329,15 @@ def write(rows: list[TrialRow], best: TrialRow | None, sweep: Sweep, out_dir: Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(rows, sweep, out_dir / "results.csv")
     written = [out_dir / "results.csv", *plot(rows, sweep, out_dir)]
+    front = write_front(rows, sweep, out_dir) if sweep.multi_objective else []
     if best is not None:
         (out_dir / "best.yaml").write_text(best_yaml(best, sweep, out_dir.name))
         written.append(out_dir / "best.yaml")
     with tracking.RunLogger(tracking_uri, parent_run_id) as run:
         for path in written:
             run.log_artifact(path)
+        for path in front:
+            run.log_artifact(path, "front" if path.parent == out_dir / "front" else None)
         counts = {s: sum(r.status == s for r in rows) for s in STATUS_COLORS}
         run.log_metrics({f"trials/{s.replace(' ', '_')}": n for s, n in counts.items()}
                         | {"trials/epochs": sum(r.epochs for r in rows)}

@@ -39,6 +39,7 @@ import hashlib
 import itertools
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +48,7 @@ import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, absolute_paths, apply_overrides,
-                            flatten, layer, read_yaml, set_dotted, validate)
+                            flatten, layer, read_yaml, reported_metrics, set_dotted, validate)
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 SHIPPED_PREFIX = "pairsim:"
@@ -114,6 +115,15 @@ class Distribution(Section):
         q = self.args[2]
         return float(np.round(value / q) * q)
 
+    def clip(self, value: Any) -> Any:
+        """``value`` (PBT's perturbed value) inside the distribution: a bound it passed, quantized
+        for ``quniform``, an integer for ``randint``; ``choice`` values as they are."""
+        if self.kind in ("choice", "grid"):
+            return value
+        low, high = self.corners()
+        value = min(max(value, low), high)
+        return self._quantize(value) if self.kind == "quniform" else int(round(value)) if self.kind == "randint" else value
+
     def corners(self) -> list[Any]:
         """What is validated before the sweep: both bounds (as sampled: ``randint``'s high − 1,
         ``quniform``'s bounds rounded to q), every value of ``choice`` and ``grid``."""
@@ -154,6 +164,51 @@ class ASHASettings(Section):
     max_t: Int | None = Field(None, ge=1, description="epochs of the longest trial (default: the base's train.epochs)")
 
 
+MUTABLE_KEYS = (r"optim\.lr", r"loss\.(margin|gamma)", r"loss\.cusa\.(alpha|beta|teacher_temperature)",
+                r"loss(\.cusa\.(cross|image|text)_temperature|\.temperature)\.(init|min|max)")
+"""Run-config keys (regular expressions) PBT may change mid-run: what a checkpoint does not fix.
+The loss's parameters are read from the config each step; the learning rate's schedule restarts
+from its new peak (DeepSpeed's scheduler keeps its step, not its base rate); a temperature's
+bounds clamp it from the next step, and a changed ``init`` sets it (see :class:`PBTSettings`)."""
+
+
+class PBTSettings(Section):
+    """Population Based Training (Jaderberg et al., 2017, arXiv 1711.09846), Ray Tune's
+    ``PopulationBasedTraining`` over epochs: every ``perturbation_interval`` epochs a trial in the
+    bottom ``quantile_fraction`` of the population (by the sweep's metric) continues from the
+    checkpoint of one in the top fraction, with that trial's hyperparameters *explored*: each
+    mutated key is resampled from its distribution with ``resample_probability``, else
+    multiplied by one of ``perturbation_factors``, then kept inside its distribution's bounds.
+
+    A population that does not fit the cluster at once takes turns: a trial pauses at each
+    interval while others run, and resumes from its checkpoint (each resume costs a run's
+    start-up). ``synch`` (the default) compares the population when every trial has reached the
+    interval — what a population taking turns does anyway, and deterministic; ``synch: false``
+    is Ray's asynchronous PBT, which compares a trial with the others' last reports (its first
+    round exploits nothing: no trial has yet been saved as a top one).
+
+    A trial that clones another with a mutated ``init`` of a temperature starts from the new τ;
+    everything else of the clone's state (weights, optimizer moments, step) is the donor's."""
+
+    perturbation_interval: Int = Field(1, ge=1, description="epochs between a trial's exploit/explore decisions")
+    mutations: dict[str, Distribution] = Field(
+        description="key -> distribution, as in space; a key not in space also starts there (its first value drawn "
+                    "from this distribution); only keys a checkpoint does not fix (tune.space.MUTABLE_KEYS)")
+    quantile_fraction: Float = Field(0.25, gt=0.0, le=0.5,
+                                     description="share of the population at the top and at the bottom")
+    resample_probability: Float = Field(0.25, ge=0.0, le=1.0,
+                                        description="chance a mutated key is drawn anew rather than perturbed")
+    perturbation_factors: tuple[Float, Float] = Field((1.2, 0.8), description="what a perturbed value is multiplied by")
+    burn_in: Int = Field(0, ge=0, description="epochs before a trial is first compared")
+    synch: Bool = Field(True, description="compare the whole population at each interval (false: Ray's asynchronous PBT)")
+
+    @model_validator(mode="after")
+    def _mutations(self) -> PBTSettings:
+        if not self.mutations:
+            raise ValueError("mutations: needs at least one key, e.g. optim.lr: {loguniform: [1.0e-4, 1.0e-3]}")
+        return self
+
+
 class TrialResources(Section):
     """What one trial reserves; each field left out keeps the base config's value."""
 
@@ -177,27 +232,45 @@ class TrialResources(Section):
 class SweepSettings(Section):
     """How the space is searched and trials are scheduled."""
 
-    metric: str | None = Field(None, description="the val metric trials are ranked by (it also picks each "
-                                                 "trial's best checkpoint); default: the base's eval.select_metric")
-    mode: Literal["max", "min"] | None = Field(None, description="default: the metric's own (min for median ranks)")
+    metric: str | list[str] | None = Field(
+        None, description="the val metric trials are ranked by (it also picks each trial's best checkpoint); default: "
+                          "the base's eval.select_metric. A list searches several at once (multi-objective: the first "
+                          "picks checkpoints and best.yaml, the sweep reports their Pareto front)")
+    mode: Literal["max", "min"] | list[Literal["max", "min"]] | None = Field(
+        None, description="default: each metric's own (min for median ranks)")
     num_samples: Int = Field(8, ge=1, description="trials drawn (random, optuna); repeats of the grid (grid)")
     search: Literal["random", "grid", "optuna"] = Field(
         "random", description="random: Tune's variant generator; grid: every combination of the grid values; "
                               "optuna: TPE (ray.tune.search.optuna.OptunaSearch)")
-    scheduler: Literal["fifo", "asha"] = "asha"
+    scheduler: Literal["fifo", "asha", "pbt"] = "asha"
     asha: ASHASettings | None = Field(None, description="ASHA's rungs (scheduler asha only)")
+    pbt: PBTSettings | None = Field(None, description="Population Based Training (scheduler pbt only)")
     max_concurrent_trials: Int | None = Field(
         None, ge=1, description="default: as many as the cluster's CPUs and GPUs hold (1 on a local instance)")
     resources: TrialResources = TrialResources()
     seed: Int | None = Field(0, description="seeds the search (random and optuna); null: unseeded")
     verbose_trials: Bool = Field(False, description="show the trials' own logs (training progress) on the console")
 
+    @property
+    def metrics(self) -> list[str] | None:
+        """The metric names as the evaluation reports them (a ``val/`` prefix dropped), or None."""
+        if self.metric is None:
+            return None
+        return [m.removeprefix("val/") for m in ([self.metric] if isinstance(self.metric, str) else self.metric)]
+
     @model_validator(mode="after")
     def _scheduler_options(self) -> SweepSettings:
-        if self.scheduler == "fifo" and self.asha is not None:
-            raise ValueError("asha: only for scheduler asha, not fifo")
+        if isinstance(self.metric, list) and len(self.metric) > 1 and "scheduler" not in self.model_fields_set:
+            self.scheduler = "fifo"  # ASHA and PBT rank by one metric
+        if isinstance(self.metric, list) and not self.metric:
+            raise ValueError("metric: an empty list; name one metric or several, e.g. [rsum, i2i_mAP@R]")
+        for name in ("asha", "pbt"):
+            if self.scheduler != name and getattr(self, name) is not None:
+                raise ValueError(f"{name}: only for scheduler {name}, not {self.scheduler}")
         if self.scheduler == "asha" and self.asha is None:
             self.asha = ASHASettings()
+        if self.scheduler == "pbt" and self.pbt is None:
+            raise ValueError("pbt: scheduler pbt needs its settings, at least pbt.mutations (the keys it may change)")
         return self
 
 
@@ -306,12 +379,23 @@ class Sweep:
 
     @property
     def metric(self) -> str:
-        """The reported metric trials are ranked by, e.g. ``val/rsum``."""
+        """The reported metric trials are ranked by, e.g. ``val/rsum`` (the first objective)."""
         return f"val/{self.base.eval.select_metric}"
 
     @property
     def mode(self) -> str:
         return self.base.eval.select_mode
+
+    @property
+    def objectives(self) -> list[tuple[str, str]]:
+        """(reported metric, mode) of each objective: :attr:`metric` first, then the others of a
+        multi-objective ``sweep.metric`` list."""
+        modes = reported_metrics(self.base.eval.ks)
+        return [(self.metric, self.mode)] + [(f"val/{m}", modes.get(m)) for m in (self.settings.metrics or [])[1:]]
+
+    @property
+    def multi_objective(self) -> bool:
+        return len(self.objectives) > 1
 
     @property
     def epochs(self) -> int:
@@ -347,6 +431,12 @@ class Sweep:
         """The point (dotted key → value) of a trial's Tune config."""
         return dict(config[POINT_KEY]) if self.union else {key: config.get(key) for key in self.keys}
 
+    def explore(self, config: dict[str, Any]) -> dict[str, Any]:
+        """PBT's explored config (Ray Tune's ``custom_explore_fn``) with each mutated key clipped
+        into its distribution (a perturbation multiplies, and may leave it): inside the space,
+        whose corners were checked, so a valid run config."""
+        return config | {key: dist.clip(config[key]) for key, dist in self.settings.pbt.mutations.items()}
+
     def digest(self) -> str:
         """sha256 of the base config, the space and the settings: a resumed sweep must match it."""
         spaces = [{k: d.model_dump() for k, d in space.items()} for space in self.spaces]
@@ -365,7 +455,8 @@ class Sweep:
         """The sweep as MLflow params of its parent run."""
         out = {f"{label}.{k}": d.describe() for label, space in self.labelled() for k, d in space.items()}
         out |= {f"sweep.{k}": v for k, v in flatten(self.settings.model_dump(mode="json")).items()}
-        return out | {"sweep.metric": self.metric, "sweep.mode": self.mode, "base.sha256": self.digest()[:16]}
+        return out | {"sweep.metric": ",".join(m for m, _ in self.objectives),
+                      "sweep.mode": ",".join(m for _, m in self.objectives), "base.sha256": self.digest()[:16]}
 
 
 def _set_space(raw: dict[str, Any], key: str, spec: Any) -> str | None:
@@ -451,13 +542,17 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     tree = layer(tree, base_raw)
     tree = layer(tree, apply_overrides({}, base_sets))
     tree = layer(tree, nested(file.sweep.resources.overrides()))
-    if file.sweep.metric is not None:
-        eval_tree = layer(tree, {"eval": {"select_metric": file.sweep.metric}})
+    metrics = file.sweep.metrics or []
+    for i, metric in enumerate(metrics):  # each must be a metric a checkpoint could be selected by
+        eval_tree = layer(tree, {"eval": {"select_metric": metric}})
         why = _errors_of(eval_tree) if _errors_of(tree) is None else None
         if why:
-            errors.append(f"sweep.metric: {why.strip().removeprefix('eval: ')}")
-        else:
+            errors.append(f"sweep.metric{'' if isinstance(file.sweep.metric, str) else f'.{i}'}: "
+                          f"{why.strip().removeprefix('eval: ')}")
+        elif i == 0:
             tree = eval_tree
+    if len(set(metrics)) < len(metrics):
+        errors.append(f"sweep.metric: {metrics} names a metric twice")
     if file.sweep.asha and file.sweep.asha.max_t and "train.epochs" not in keys:
         tree = layer(tree, {"train": {"epochs": file.sweep.asha.max_t}})  # trials as long as ASHA lets them run
     try:
@@ -469,8 +564,16 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     sweep = Sweep(str(path), tree, base, tuple(spaces), file.sweep)
 
     settings = file.sweep
-    if settings.mode is not None and settings.mode != sweep.mode:
-        errors.append(f"sweep.mode: {settings.mode!r}, but {sweep.metric} is ranked {sweep.mode!r}")
+    if settings.mode is not None:
+        given = [settings.mode] if isinstance(settings.mode, str) else settings.mode
+        if len(given) != len(sweep.objectives) and not errors:
+            errors.append(f"sweep.mode: {len(given)} mode(s) for {len(sweep.objectives)} metric(s)")
+        for given_mode, (metric, mode) in zip(given, sweep.objectives):
+            if mode is not None and given_mode != mode:  # None: not a metric (said under sweep.metric)
+                errors.append(f"sweep.mode: {given_mode!r}, but {metric} is ranked {mode!r}")
+    if sweep.multi_objective and settings.scheduler != "fifo":
+        errors.append(f"sweep.scheduler: {settings.scheduler} ranks trials by one metric; a sweep over several "
+                      "(sweep.metric is a list) runs with fifo (the default for one)")
     named = [(key if label == "space" else f"{label}.{key}", dist) for label, space in sweep.labelled()
              for key, dist in space.items()]
     if listed and settings.search != "grid":
@@ -482,6 +585,26 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     elif settings.search == "optuna" and any(dist.kind == "grid" for _, dist in named):
         errors.append(f"sweep.search: optuna samples; it takes no grid "
                       f"({', '.join(name for name, dist in named if dist.kind == 'grid')}): use choice")
+    pbt = settings.pbt
+    mutations = pbt.mutations if pbt else {}
+    if pbt and listed:
+        errors.append("sweep.scheduler: pbt mutates each trial's own point; a list of grids runs with fifo or asha")
+    if pbt and settings.search == "optuna":
+        errors.append("sweep.search: optuna proposes points from finished trials, which PBT's cloned trials are not "
+                      "(Ray Tune refuses the pair): use random or grid with scheduler pbt")
+    if pbt and pbt.perturbation_interval >= sweep.epochs:
+        errors.append(f"sweep.pbt.perturbation_interval: {pbt.perturbation_interval} epochs, but a trial runs "
+                      f"{sweep.epochs}: no trial would ever be perturbed")
+    for key, dist in mutations.items():
+        if dist.kind == "grid":
+            errors.append(f"sweep.pbt.mutations.{key}: grid is not a mutation; write choice (PBT steps to a "
+                          "neighbouring value or draws one)")
+        if not any(re.fullmatch(pattern, key) for pattern in MUTABLE_KEYS):
+            errors.append(f"sweep.pbt.mutations.{key}: cannot change mid-run (a clone continues from another "
+                          "trial's checkpoint, which fixes it); PBT may change optim.lr, loss.margin, loss.gamma, "
+                          "loss.cusa.alpha/beta/teacher_temperature and a temperature's init/min/max")
+        if not listed and key not in spaces[0]:
+            spaces[0][key] = dist  # its first value drawn from the mutation's distribution
     if settings.asha and settings.asha.max_t is None and "train.epochs" in keys:
         errors.append("sweep.asha.max_t: needed when train.epochs is swept (ASHA's longest trial, in epochs)")
     if settings.asha and settings.asha.grace_period > sweep.epochs:
@@ -490,8 +613,10 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
     flat = base.flat()
     bad_keys = set()
-    for label, space in sweep.labelled():
+    for label, space in [*sweep.labelled(), ("sweep.pbt.mutations", mutations)]:
         for key, dist in space.items():
+            if label == "sweep.pbt.mutations" and spaces[0].get(key) is dist:  # checked as a space key
+                continue
             where = f"{label}.{key}"
             if key not in flat:
                 errors.append(f"{where}: not a key of the base config ({_why_not_a_key(tree, key, dist)})")

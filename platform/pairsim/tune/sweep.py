@@ -21,6 +21,10 @@ import json
 import logging
 import math
 import os
+import random
+import shutil
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -29,6 +33,7 @@ from typing import Any
 
 import ray
 from ray import tune
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
 from pairsim import jobs, log, tracking
 from pairsim.config import ConfigError
@@ -38,6 +43,9 @@ from pairsim.tune.space import Sweep
 
 logger = log.get_logger("tune")
 STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest and parent run
+CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it is, at which epoch
+CLONED_FROM_TAG = "pairsim.pbt.cloned_from"
+TUNE_CHECKPOINTS_KEPT = 4  # per PBT trial (Ray warns that 2 or fewer can delete what a clone needs)
 TRIAL_TAG = "pairsim.trial_id"
 TRIAL_MEMORY = 256 * 2**20  # bytes the trial function itself reserves
 TRIAL_LOG_LEVEL = "WARNING"  # trials' own pairsim logs (the sweep prints its table)
@@ -60,9 +68,54 @@ def trial_run_name(sweep_name: str, trial_id: str) -> str:
     return f"{sweep_name}-{trial_id}"
 
 
+def report_checkpoint(train_checkpoint: str, trial_id: str, metrics: dict[str, Any], scratch: Path):
+    """Report ``metrics`` to Tune with the run's checkpoint as the trial's Tune checkpoint (PBT
+    clones from it): the checkpoint's files (hard links where they can be) under ``checkpoint/``
+    beside :data:`CLONE_INFO`, which says whose it is; Tune copies it into the trial's directory."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        shutil.copytree(train_checkpoint, Path(tmp) / "checkpoint", copy_function=_link_or_copy)
+        (Path(tmp) / CLONE_INFO).write_text(json.dumps({"trial_id": trial_id, "epoch": int(metrics["epoch"]),
+                                                        "checkpoint": Path(train_checkpoint).name}))
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def adopt_clone(checkpoint, trial_id: str, run_dir: Path) -> dict[str, Any] | None:
+    """What PBT gave the trial to start from (its Tune checkpoint): None when it is the trial's
+    own or there is none (the run resumes from its own directory, as any run does); else another
+    trial's, which the run then continues from — the run directory is moved aside
+    (``<run>.before-epoch-<e>``) and begins anew with that checkpoint. Returns its
+    :data:`CLONE_INFO` (``trial_id``, ``epoch``)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as ckpt_dir:
+        info = json.loads((Path(ckpt_dir) / CLONE_INFO).read_text())
+        if info["trial_id"] == trial_id:
+            return None
+        if run_dir.exists():
+            aside = run_dir.with_name(f"{run_dir.name}.before-epoch-{info['epoch']}")
+            shutil.rmtree(aside, ignore_errors=True)
+            run_dir.rename(aside)
+        run_dir.mkdir(parents=True)
+        shutil.copytree(Path(ckpt_dir) / "checkpoint", run_dir / info["checkpoint"])
+    return info
+
+
 def run_trial(config: dict[str, Any], job: TrialJob) -> None:
     """One trial: the run config at the point of its Tune ``config``, trained by
-    :func:`pairsim.train.driver.fit`."""
+    :func:`pairsim.train.driver.fit` in a thread while this one reports each epoch to Tune (with
+    the checkpoint under PBT). A PBT trial handed another trial's checkpoint continues from it
+    (:func:`adopt_clone`) in the same MLflow run, which records ``pairsim.pbt.cloned_from`` and a
+    ``pairsim.pbt.clone.<epoch>`` tag per clone."""
+    from ray.util.queue import Queue
+
     log.setup(job.log_level)
     trial_id = tune.get_context().get_trial_id()
     run_name = trial_run_name(job.name, trial_id)
@@ -74,8 +127,38 @@ def run_trial(config: dict[str, Any], job: TrialJob) -> None:
         "data": cfg.data.model_copy(update={"max_cpus": data_cap}),
         "tracking": cfg.tracking.model_copy(update={"tracking_uri": job.tracking_uri})})
     tags = job.context_tags | {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
+    pbt = job.sweep.settings.pbt
+    clone = pbt and adopt_clone(tune.get_checkpoint(), trial_id, Path(job.runs_path) / run_name)
+    if clone:
+        tags |= {CLONED_FROM_TAG: clone["trial_id"],
+                 f"{results.CLONE_TAG_PREFIX}{clone['epoch']}": json.dumps({"from": clone["trial_id"], "point": point})}
+        logger.info("trial %s continues from trial %s at epoch %d with %s", trial_id, clone["trial_id"],
+                    clone["epoch"], point)
+    reports = Queue(maxsize=1, actor_options={"num_cpus": 0})
+    trial = driver.SweepTrial(job.parent_run_id, tags, reports, tuple(pbt.mutations) if pbt else (),
+                              reset_temperatures=bool(clone) and any(k.endswith(".init") for k in pbt.mutations))
+    outcome: dict[str, BaseException] = {}
+
+    def train() -> None:
+        try:
+            driver.fit(cfg, trial)
+        except BaseException as exc:  # raised again in the trial's thread
+            outcome["error"] = exc
+        finally:
+            reports.put(None)
+
+    threading.Thread(target=train, name=f"pairsim-fit-{trial_id}", daemon=True).start()
     try:
-        driver.fit(cfg, driver.SweepTrial(job.parent_run_id, tags))
+        while (item := reports.get()) is not None:
+            metrics, checkpoint = item
+            if pbt and checkpoint:
+                report_checkpoint(checkpoint, trial_id, metrics, Path(job.runs_path) / ".tune-reports")
+            else:
+                tune.report(metrics)
+        if "error" in outcome:
+            raise outcome["error"]
+    except SystemExit:  # Tune paused or stopped the trial at a report (PBT, ASHA): not a failure
+        raise
     except BaseException as exc:
         run_id = tracking.find_run(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_name)
         if run_id:
@@ -178,6 +261,56 @@ def concurrency(sweep: Sweep) -> int:
     return wanted or fits
 
 
+class Population(PopulationBasedTraining):
+    """Ray Tune's PBT, less the exploit at a trial's last epoch (a clone would have nothing left
+    to train: the trial ends as it is)."""
+
+    def __init__(self, epochs: int, **kwargs):
+        super().__init__(**kwargs)
+        self.epochs = epochs
+
+    def on_trial_result(self, tune_controller, trial, result):
+        if result.get("epoch", 0) >= self.epochs:
+            return TrialScheduler.CONTINUE
+        return super().on_trial_result(tune_controller, trial, result)
+
+
+def scheduler_of(sweep: Sweep):
+    """Ray Tune's trial scheduler for ``sweep.scheduler``: FIFO, ASHA over epochs, or PBT over
+    epochs (its explore kept valid by :meth:`Sweep.explore`; Python's ``random``, which PBT
+    draws from, seeded with ``sweep.seed``)."""
+    settings = sweep.settings
+    if settings.asha:
+        return ASHAScheduler(time_attr="epoch", max_t=sweep.epochs, grace_period=settings.asha.grace_period,
+                             reduction_factor=settings.asha.reduction_factor)
+    if settings.pbt:
+        pbt = settings.pbt
+        if settings.seed is not None:
+            random.seed(settings.seed)
+        return Population(
+            sweep.epochs, time_attr="epoch", perturbation_interval=pbt.perturbation_interval, burn_in_period=pbt.burn_in,
+            hyperparam_mutations={key: list(dist.args) if dist.kind == "choice" else dist.domain()
+                                  for key, dist in pbt.mutations.items()},
+            quantile_fraction=pbt.quantile_fraction, resample_probability=pbt.resample_probability,
+            perturbation_factors=pbt.perturbation_factors, custom_explore_fn=sweep.explore, synch=pbt.synch)
+    return FIFOScheduler()
+
+
+HEAD_NODE = "node:__internal_head__"  # a resource every Ray head node has one of
+HEAD_NODE_FOR_TRIALS = 0.9  # of it; Ray Train's own head-node actors take 0.001 each
+
+
+def trial_function_resources(sweep: Sweep, trials_at_once: int) -> dict[str, float]:
+    """What a trial function reserves: no CPU (it waits on its TorchTrainer), and under PBT a
+    1/``trials_at_once`` share of :data:`HEAD_NODE_FOR_TRIALS` of the head node's
+    :data:`HEAD_NODE` unit, so that the whole population can exist (PBT compares it) while only
+    ``trials_at_once`` trials run; the others wait as Tune's pending or paused trials and take
+    turns."""
+    share = ({HEAD_NODE: math.floor(1e4 * HEAD_NODE_FOR_TRIALS / trials_at_once) / 1e4}
+             if sweep.settings.pbt else {})
+    return {"CPU": 0, "memory": TRIAL_MEMORY} | share
+
+
 @dataclass
 class SweepResult:
     name: str
@@ -190,7 +323,6 @@ class SweepResult:
 
 def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> SweepResult:
     """Run (or, if ``<storage>/<name>`` holds it, resume) the sweep; returns its trials."""
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     name = name or datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
@@ -233,7 +365,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
                    else TRIAL_LOG_LEVEL, tracking.context_tags())
     # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials see the driver's directory, as a run does
-    trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), {"CPU": 0, "memory": TRIAL_MEMORY})
+    trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), trial_function_resources(sweep, trials_at_once))
     if restoring:
         tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
     else:
@@ -241,22 +373,26 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
         if settings.search == "optuna":
             from ray.tune.search.optuna import OptunaSearch
 
-            search_alg = OptunaSearch(metric=sweep.metric, mode=sweep.mode, seed=settings.seed)
+            metrics, modes = (list(x) for x in zip(*sweep.objectives))  # several: Optuna's multi-objective TPE
+            search_alg = OptunaSearch(metric=metrics if sweep.multi_objective else metrics[0],
+                                      mode=modes if sweep.multi_objective else modes[0], seed=settings.seed)
             searcher_limit = trials_at_once  # Tune wraps a Searcher in a ConcurrencyLimiter
         else:  # the variant generator limits itself
-            search_alg = BasicVariantGenerator(random_state=settings.seed, max_concurrent=trials_at_once)
+            search_alg = BasicVariantGenerator(random_state=settings.seed,  # PBT: the whole population exists
+                                               max_concurrent=0 if settings.pbt else trials_at_once)
             searcher_limit = None
-        scheduler = (ASHAScheduler(time_attr="epoch", max_t=sweep.epochs, grace_period=settings.asha.grace_period,
-                                   reduction_factor=settings.asha.reduction_factor)
-                     if settings.asha else FIFOScheduler())
+        scheduler = scheduler_of(sweep)
         tuner = tune.Tuner(
             trainable, param_space=sweep.param_space(),
-            tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, search_alg=search_alg,
+            tune_config=tune.TuneConfig(metric=None if sweep.multi_objective else sweep.metric,  # Tune takes one
+                                        mode=None if sweep.multi_objective else sweep.mode, search_alg=search_alg,
                                         scheduler=scheduler, num_samples=settings.num_samples,
                                         max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
-                                        trial_dirname_creator=TrialName(name)),
+                                        trial_dirname_creator=TrialName(name), reuse_actors=False),
             run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
-                                      callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))]))
+                                      callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))],
+                                      checkpoint_config=tune.CheckpointConfig(
+                                          num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))
     with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_sigterm():
         grid = tuner.fit()
         children = tracking.child_runs(tracking_uri, parent_run_id)
