@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -287,6 +288,8 @@ def scheduler_of(sweep: Sweep):
         pbt = settings.pbt
         if settings.seed is not None:
             random.seed(settings.seed)
+        # Tune's hint for trainables that can reset in place; a pairsim trial's run cannot (its thread)
+        warnings.filterwarnings("ignore", message="Consider boosting PBT performance by enabling `reuse_actors`")
         return Population(
             sweep.epochs, time_attr="epoch", perturbation_interval=pbt.perturbation_interval, burn_in_period=pbt.burn_in,
             hyperparam_mutations={key: list(dist.args) if dist.kind == "choice" else dist.domain()
