@@ -280,11 +280,12 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     population = sweep.settings.scheduler == "pbt"  # a colour per trial, its clones drawn
     colours = {row.trial_id: plt.get_cmap("tab10")(i % 10) for i, row in enumerate(rows)}
     for row in rows:
-        if row.curve:
-            epochs, values = zip(*row.curve)
-            ax.plot(epochs, values, marker="o", alpha=0.8,
+        cuts = [0, *(e for e, _ in row.clones), math.inf]  # a clone's own line stops where it took another's state
+        pieces = [[(e, v) for e, v in row.curve if a < e <= b] for a, b in zip(cuts, cuts[1:])]
+        for i, piece in enumerate(p for p in pieces if p):
+            ax.plot(*zip(*piece), marker="o", alpha=0.8,
                     color=colours[row.trial_id] if population else STATUS_COLORS[row.status],
-                    label=row.trial_id[-8:] if population else None)
+                    label=row.trial_id if population and i == 0 else None)
     curves = {row.trial_id: dict(row.curve) for row in rows}
     for row in rows:
         for epoch, donor in row.clones:  # the donor's value where it was cloned → the clone's next epoch
