@@ -62,9 +62,10 @@ def startup_seconds(tracking_uri: str, run_id: str) -> float:
 def startup_phases(tracking_uri: str, run_id: str) -> dict[str, float]:
     """A run's first start-up by phase (a resumed trial logs another at its resume)."""
     client = MlflowClient(tracking_uri)
-    names = [k for k in client.get_run(run_id).data.metrics if k.startswith("perf/startup/")] + ["perf/startup_s"]
-    return {k.removeprefix("perf/startup/").removesuffix("_s").replace("perf/startup", "total"):
-            min(client.get_metric_history(run_id, k), key=lambda m: m.step).value for k in names}
+    keys = {k.removeprefix("perf/startup/").removesuffix("_s"): k for k in client.get_run(run_id).data.metrics
+            if k.startswith("perf/startup/")} | {"total": "perf/startup_s"}
+    return {phase: min(client.get_metric_history(run_id, key), key=lambda m: m.step).value
+            for phase, key in keys.items()}
 
 
 def main() -> None:

@@ -674,3 +674,35 @@ def test_pareto_front_is_what_no_trial_dominates():
         assert all(any(dominates(p, q) for p in front) for q in scored if q not in front)
         firsts = [sign["a"] * r.values["a"] for r in front]
         assert firsts == sorted(firsts, reverse=True)
+
+
+def test_a_pbt_clone_starts_its_run_directory_from_the_donors_checkpoint(tmp_path):
+    """``adopt_clone`` on a Tune checkpoint as the trial function reports it: its own trial's is
+    left alone (the run resumes from its directory); another's moves the run directory aside and
+    seeds a new one with the donor's checkpoint; a checkpoint name that would leave the run
+    directory is refused."""
+    import json
+
+    from ray import tune
+
+    from pairsim.tune.sweep import CLONE_INFO, adopt_clone
+
+    def tune_checkpoint(trial_id, name="checkpoint_2026-11-25_21-00-00.000001"):
+        root = tmp_path / f"tune-{trial_id}-{len(list(tmp_path.iterdir()))}"
+        (root / "checkpoint").mkdir(parents=True)
+        (root / "checkpoint" / "weights.bin").write_bytes(b"donor")
+        (root / CLONE_INFO).write_text(json.dumps({"trial_id": trial_id, "epoch": 1, "checkpoint": name}))
+        return tune.Checkpoint.from_directory(root)
+
+    run_dir = tmp_path / "runs" / "sweep-b"
+    (run_dir / "checkpoint_own").mkdir(parents=True)
+    assert adopt_clone(None, "b", run_dir) is None
+    assert adopt_clone(tune_checkpoint("b"), "b", run_dir) is None and (run_dir / "checkpoint_own").is_dir()
+    info = adopt_clone(tune_checkpoint("a"), "b", run_dir)
+    assert info["trial_id"] == "a" and info["epoch"] == 1
+    assert (tmp_path / "runs" / "sweep-b.before-epoch-1" / "checkpoint_own").is_dir()
+    assert [p.name for p in run_dir.iterdir()] == ["checkpoint_2026-11-25_21-00-00.000001"]
+    assert (run_dir / "checkpoint_2026-11-25_21-00-00.000001" / "weights.bin").read_bytes() == b"donor"
+    with pytest.raises(ValueError, match="not a directory name"):
+        adopt_clone(tune_checkpoint("a", "../escape"), "b", run_dir)
+    assert not (tmp_path / "runs" / "escape").exists()

@@ -134,29 +134,31 @@ def pareto_front(rows: list[TrialRow], objectives: list[tuple[str, str]]) -> lis
     return sorted(front, key=lambda r: -signs[0] * r.values[objectives[0][0]])
 
 
-def best_yaml(best: TrialRow, sweep: Sweep, sweep_name: str, what: str = "Best trial",
-              reproduce: str = "best.yaml") -> str:
-    """A trial's full run config (the best one's, or a Pareto-front point's), which ``pairsim
-    train --config <file>`` reproduces."""
-    point = ", ".join(f"{k}={_value(v)}" for k, v in best.point.items())
-    scores = (", ".join(f"{m} = {best.values[m]:.2f} ({mode}, last epoch)" for m, mode in sweep.objectives)
-              if what != "Best trial" else f"{sweep.metric} = {best.metric:.2f} ({sweep.mode})")
-    return (f"# {what} {best.trial_id} of sweep {sweep_name}: {scores} at {point}.\n"
-            f"# Reproduce: pairsim train --config {reproduce}\n" + sweep.trial_config(best.point).to_yaml())
+def best_yaml(row: TrialRow, sweep: Sweep, sweep_name: str, front: bool = False) -> str:
+    """A trial's full run config, which ``pairsim train --config <file>`` reproduces: the best
+    trial's (``best.yaml``, by its best metric) or, with ``front``, a Pareto-front trial's
+    (``front/<trial>.yaml``, by each objective's last-epoch value)."""
+    point = ", ".join(f"{k}={_value(v)}" for k, v in row.point.items())
+    if front:
+        what, file = "Pareto-front trial", f"front/{row.trial_id}.yaml"
+        scores = ", ".join(f"{m} = {row.values[m]:.2f} ({mode}, last epoch)" for m, mode in sweep.objectives)
+    else:
+        what, file, scores = "Best trial", "best.yaml", f"{sweep.metric} = {row.metric:.2f} ({sweep.mode})"
+    return (f"# {what} {row.trial_id} of sweep {sweep_name}: {scores} at {point}.\n"
+            f"# Reproduce: pairsim train --config {file}\n" + sweep.trial_config(row.point).to_yaml())
 
 
 def write_csv(rows: list[TrialRow], sweep: Sweep, path: Path) -> None:
     """One row per trial: its point, its best value of the metric, and (multi-objective) each
     objective's last-epoch value."""
-    others = [m for m, _ in sweep.objectives[1:]] if sweep.multi_objective else []
-    last = [f"last {m}" for m, _ in sweep.objectives] if sweep.multi_objective else []
+    last = [m for m, _ in sweep.objectives] if sweep.multi_objective else []
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial_id", "status", "epochs", *sweep.keys, sweep.metric, *last, "mlflow_run_id", "error"])
+        writer.writerow(["trial_id", "status", "epochs", *sweep.keys, sweep.metric, *(f"last {m}" for m in last),
+                         "mlflow_run_id", "error"])
         for row in rows:
             writer.writerow([row.trial_id, row.status, row.epochs, *(row.point.get(k) for k in sweep.keys),
-                             "" if row.metric is None else row.metric,
-                             *(row.values.get(m, "") for m in ([sweep.metric] + others if last else [])),
+                             "" if row.metric is None else row.metric, *(row.values.get(m, "") for m in last),
                              row.run_id or "", row.error])
 
 
@@ -180,7 +182,7 @@ def write_front(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]
     written = [out_dir / "pareto.csv"]
     for row in front:
         path = out_dir / "front" / f"{row.trial_id}.yaml"
-        path.write_text(best_yaml(row, sweep, out_dir.name, "Pareto-front trial", f"front/{path.name}"))
+        path.write_text(best_yaml(row, sweep, out_dir.name, front=True))
         written.append(path)
     (x, x_mode), (y, y_mode) = sweep.objectives[:2]
     fig, ax = plt.subplots(figsize=(6.4, 4.8))

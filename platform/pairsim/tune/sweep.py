@@ -100,6 +100,8 @@ def adopt_clone(checkpoint, trial_id: str, run_dir: Path) -> dict[str, Any] | No
         info = json.loads((Path(ckpt_dir) / CLONE_INFO).read_text())
         if info["trial_id"] == trial_id:
             return None
+        if Path(info["checkpoint"]).name != info["checkpoint"] or info["checkpoint"] in ("", ".", ".."):
+            raise ValueError(f"{ckpt_dir}/{CLONE_INFO}: checkpoint {info['checkpoint']!r} is not a directory name")
         if run_dir.exists():
             aside = run_dir.with_name(f"{run_dir.name}.before-epoch-{info['epoch']}")
             shutil.rmtree(aside, ignore_errors=True)
