@@ -22,6 +22,17 @@ def test_every_module_imports_in_a_fresh_interpreter(module):
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_what_the_train_controller_unpickles_leaves_out_torch_open_clip_and_deepspeed():
+    """The Train controller unpickles a run's callbacks and Ray Data pipelines before it asks for
+    workers (the worker job goes pickled, see driver.fit): importing the deep-learning stack there
+    would hold back every run's workers by the seconds it takes."""
+    code = ("import pickle, sys; from pairsim.train.callbacks import TrialReporter; import pairsim.data.ingest; "
+            "pickle.loads(pickle.dumps(TrialReporter(None))); "
+            "print(sorted(m for m in ('torch', 'open_clip', 'deepspeed') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split()[-1] == "[]", done.stdout
+
+
 def test_no_import_cycles():
     graph = grimp.build_graph("pairsim", exclude_type_checking_imports=True)
     cycles = {frozenset([a, b]) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)

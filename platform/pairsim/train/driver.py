@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import pickle
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,7 +21,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from pairsim import jobs, log, storage, tracking
@@ -31,6 +32,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import checkpoints, engine
+from pairsim.train.callbacks import TrialReporter
 from pairsim.train.local_ray import start_local_instance
 from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, train_loop_per_worker
 
@@ -234,17 +236,6 @@ class SweepTrial:
     reset_temperatures: bool = False
 
 
-class TrialReporter(UserCallback):
-    """On the Train controller: each epoch's rank-0 report and its checkpoint's path, handed to
-    the trial function through ``queue`` (one at a time: the run waits for Tune to take it)."""
-
-    def __init__(self, queue):
-        self.queue = queue
-
-    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.queue.put((dict(metrics[0]), checkpoint.path if checkpoint else None))
-
-
 STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
 
 
@@ -286,14 +277,16 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
     clock.lap("datasets")
+    # The job goes pickled: the Train controller unpickles train_loop_config before it asks for
+    # workers, and a WorkerJob would make it import torch, open_clip and DeepSpeed first.
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
+        train_loop_config={"job": pickle.dumps(WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
                                             startup=clock, run_dir=run_dir.uri,
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
                                                            for key in (trial.logged_params if trial else ())},
-                                            reset_temperatures=bool(trial and trial.reset_temperatures))},
+                                            reset_temperatures=bool(trial and trial.reset_temperatures)))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources),
         run_config=ray.train.RunConfig(

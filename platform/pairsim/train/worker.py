@@ -8,6 +8,7 @@ checkpoint if there is one, then for each epoch: train on the global batch, eval
 from __future__ import annotations
 
 import functools
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -182,8 +183,8 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
     return metrics
 
 
-def train_loop_per_worker(loop_config: dict[str, WorkerJob]) -> None:
-    job = loop_config["job"]
+def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
+    job: WorkerJob = pickle.loads(loop_config["job"])  # pickled by the driver: see driver.fit
     cfg = job.cfg
     log.setup(job.log_level)
     rank, world = dist.rank(), dist.world_size()
