@@ -2,6 +2,7 @@
 modules (function-level imports included), and no module reaches into another's private names."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,20 @@ def test_what_the_train_controller_unpickles_leaves_out_torch_open_clip_and_deep
             "print(sorted(m for m in ('torch', 'open_clip', 'deepspeed') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split()[-1] == "[]", done.stdout
+
+
+def test_importing_pairsim_quiets_only_the_raylets_worker_count_warning_and_keeps_a_users_choice():
+    code = ("import pairsim, ray; from ray._private import ray_logging; print(ray_logging.stderr_deduplicator.skip_re"
+            ".search('(raylet) WARNING: 12 PYTHON worker processes have been started on node: ab12 with address: "
+            "127.0.0.1, which is 6x the maximum expected startup concurrency (2).') is not None, "
+            "ray_logging.stderr_deduplicator.skip_re.search('(raylet) WARNING: worker killed: out of memory') is None)")
+    unset = {k: v for k, v in os.environ.items() if k != "RAY_DEDUP_LOGS_SKIP_REGEX"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=unset)
+    assert done.stdout.split() == ["True", "True"], done.stdout
+    mine = subprocess.run([sys.executable, "-c", "import pairsim, os; print(os.environ['RAY_DEDUP_LOGS_SKIP_REGEX'])"],
+                          capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "RAY_DEDUP_LOGS_SKIP_REGEX": "mine"})
+    assert mine.stdout.strip() == "mine"
 
 
 def test_no_import_cycles():

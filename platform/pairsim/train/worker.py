@@ -190,6 +190,8 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
     rank, world = dist.rank(), dist.world_size()
     clock = job.startup
     clock.lap("worker_group")  # the driver's TorchTrainer.fit → this loop: controller, workers, process group
+    # asked for first: Ray Data starts the split's coordinator (a new process) while the engine builds
+    train_shard = ray.train.get_dataset_shard("train")
 
     engine = engines.create_engine(cfg, job.deepspeed_config)
     clock.lap("engine")
@@ -206,7 +208,6 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
     run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s, tolerate_outage=True,
                      continues_run=True) if rank == 0 else None)
     ledger = ray.get_actor(job.ledger)
-    train_shard = ray.train.get_dataset_shard("train")
     normalize = clip.PixelNormalizer(cfg.model)
     clock.lap("worker_mlflow")
 
