@@ -95,7 +95,7 @@ def ray_data_rate(cfg: RunConfig, dataset) -> float:
 def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, float, float]:
     ledger = ingest.skip_ledger("bench-ingest")
     dataset = ingest.train_dataset(cfg, "bench-ingest")
-    dataset.context.execution_options = ingest.train_execution_options(cfg)
+    dataset.context.execution_options = ingest.execution_options(cfg, ordered=True)
     ray_data_rate(cfg, dataset)  # warm-up: worker processes, imports, page cache
     ray_rates = [ray_data_rate(cfg, dataset) for _ in range(repeats)]
     loader_rates = [dataloader_rate(cfg, cpus) for _ in range(repeats)]

@@ -1,6 +1,7 @@
 """``cluster.yaml`` is a Ray autoscaler config: valid against Ray's schema before and after Ray
 fills in its AWS defaults (no cloud call), with GPU training nodes, CPU-only data nodes, and
-pairsim's dependencies installed on the nodes but not pairsim (jobs ship it)."""
+pairsim's dependencies installed on the nodes but not pairsim (jobs ship it), node types
+labelled with the roles ``ray.node_roles`` places by."""
 
 import shlex
 import tomllib
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
+
+from pairsim.config import NodeRolesConfig
 
 REPO = Path(__file__).parents[1]
 CONFIG = yaml.safe_load((REPO / "cluster.yaml").read_text())
@@ -28,6 +31,14 @@ def test_training_nodes_have_gpus_and_data_nodes_none():
     types = CONFIG["available_node_types"]
     assert types["gpu_worker"]["resources"]["GPU"] >= 1
     assert types["data_worker"]["resources"]["GPU"] == 0 and types["data_worker"]["resources"]["CPU"] >= 1
+
+
+def test_node_types_carry_the_role_labels_pairsim_places_by_default():
+    roles = NodeRolesConfig()
+    types = CONFIG["available_node_types"]
+    assert types["gpu_worker"]["labels"] == {roles.label: roles.train}
+    assert types["data_worker"]["labels"] == {roles.label: roles.data}
+    assert roles.label not in types[CONFIG["head_node_type"]].get("labels", {})  # the head runs neither
 
 
 def test_nodes_get_pairsims_dependencies_and_not_pairsim():

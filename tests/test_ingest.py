@@ -80,7 +80,7 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
         run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray")),
         datasets={"train": ingest.train_dataset(cfg, "test-ledger")},
         dataset_config=DataConfig(datasets_to_split=["train"],
-                                  execution_options={"train": ingest.train_execution_options(cfg)}))
+                                  execution_options={"train": ingest.execution_options(cfg, ordered=True)}))
     trainer.fit()
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     good = pq.read_table(shards.split_files(root, "train"), columns=["image_id"]).column("image_id").to_pylist()
@@ -100,7 +100,7 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
 def _epoch_orders(cfg, epochs=2):
     """(group id, caption index, pixel checksum) of every pair, in stream order, per epoch."""
     ds = ingest.train_dataset(cfg, "order-ledger")
-    ds.context.execution_options = ingest.train_execution_options(cfg)
+    ds.context.execution_options = ingest.execution_options(cfg, ordered=True)
     orders = []
     for _ in range(epochs):
         order = []
@@ -174,13 +174,16 @@ def test_draws_decide_captions_and_augmentation(tiny_dataset):
 
 
 def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_it_starts(ray_instance, tiny_dataset):
+    from pairsim import cluster
     from pairsim.train import driver
     from pairsim.config import ConfigError
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)},
                                     "train": {"num_workers": 2, "cpus_per_worker": 1.5}})
-    driver.check_cpu_budget(cfg)  # 4 CPUs: 3 for training leave 1 for Data
+    roles = cluster.node_roles(cfg.ray.node_roles)  # one unlabelled node: training and Data share it
+    cluster.check_cpu_budget(cfg, roles)  # 4 CPUs: 3 for training leave 1 for Data
     with pytest.raises(ConfigError, match=r"train.num_workers × train.cpus_per_worker = 4 .* ray.data_cpus"):
-        driver.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}))
+        cluster.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}),
+                                 roles)
     with pytest.raises(ConfigError, match="data.max_cpus"):
         driver.check_ready(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))

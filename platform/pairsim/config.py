@@ -480,6 +480,22 @@ def check_tracking_uri(uri: str) -> str:
     return uri
 
 
+LABEL = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"  # a Ray node label's name or value
+
+
+class NodeRolesConfig(_Section):
+    """Which nodes of a cluster do what, told by a node label (``ray start --labels
+    pairsim-role=train``; cluster.yaml's node types set it): Ray Train's workers go to ``train``
+    nodes, Ray Data's read and decode tasks and actors to ``data`` nodes (Ray's label selectors)."""
+
+    placement: Literal["auto", "required", "off"] = Field(
+        "auto", description="auto: by role when some node carries the label, anywhere otherwise (one machine); "
+                            "required: refuse a cluster without both roles; off: ignore the labels")
+    label: str = Field("pairsim-role", pattern=LABEL, description="the node label that names a node's role")
+    train: str = Field("train", pattern=LABEL, description="its value on the nodes that run training workers")
+    data: str = Field("data", pattern=LABEL, description="its value on the nodes that run Ray Data's work")
+
+
 class RayConfig(_Section):
     """The Ray instance, the CPU split between Ray Data and the training workers, and storage."""
 
@@ -497,6 +513,7 @@ class RayConfig(_Section):
     listen_on_all_interfaces: bool = Field(
         False, description="a local instance's dashboard, metrics and gRPC ports on every interface (Ray's "
                            "default: reachable from other machines) instead of 127.0.0.1 only")
+    node_roles: NodeRolesConfig = NodeRolesConfig()
 
     @field_validator("address")
     @classmethod

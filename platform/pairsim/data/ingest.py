@@ -26,6 +26,7 @@ import numpy as np
 import ray
 from PIL import Image
 
+from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.storage import filesystem_and_paths
@@ -264,11 +265,13 @@ def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None
     return map_shards(ds, TrainPreprocess(cfg, ledger_name, teachers, store), cfg.train.micro_batch_size, cfg)
 
 
-def train_execution_options(cfg: RunConfig) -> ray.data.ExecutionOptions:
-    """Ray Data options of the train stream: the CPU cap (``data.max_cpus``) and, with a seed,
-    rows in their deterministic order (``preserve_order``)."""
+def execution_options(cfg: RunConfig, data_nodes: dict[str, str] | None = None,
+                      ordered: bool = False) -> ray.data.ExecutionOptions:
+    """Ray Data options of a run's streams: their tasks and actors on ``data_nodes`` (a label
+    selector, :mod:`pairsim.cluster`; None: any node), the CPU cap (``data.max_cpus``) and,
+    when ``ordered`` (the train stream) and seeded, rows in their deterministic order."""
     return ray.data.ExecutionOptions(
-        preserve_order=cfg.data.seed is not None,
+        preserve_order=ordered and cfg.data.seed is not None, label_selector=data_nodes,
         resource_limits=ray.data.ExecutionResources(cpu=cfg.data.max_cpus) if cfg.data.max_cpus else None)
 
 
@@ -288,15 +291,17 @@ def _start_ingest_worker(model: ModelConfig, augment: bool) -> None:
     tokenize(model.arch, [])
 
 
-def start_ingest_workers(cfg: RunConfig, train_cpus: float) -> None:
+def start_ingest_workers(cfg: RunConfig, roles: NodeRoles) -> None:
     """Start the decode workers (importing torch and open_clip takes seconds) while Ray Train
-    starts its worker group: one task per data slot the cluster has beside training, not
-    waited for. Ray reuses the warm processes for the first epoch's decode tasks."""
-    free = ray.cluster_resources().get("CPU", 0.0) - train_cpus
+    starts its worker group: one task per data slot the cluster has for Ray Data (on the data
+    nodes, or beside training), not waited for. Ray reuses the warm processes for the first
+    epoch's decode tasks."""
+    free = roles.data_cpus - (cfg.train.num_workers * cfg.train.cpus_per_worker if roles.shared else 0.0)
     slots = min(int(min(free, cfg.data.max_cpus or free) // cfg.data.cpus_per_task), 16)
+    placement = {"label_selector": roles.data} if roles.data else {}
     for _ in range(slots):
-        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task, scheduling_strategy=OUTSIDE_CALLERS_GROUP
-                                     ).remote(cfg.model, cfg.data.augment)
+        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task, scheduling_strategy=OUTSIDE_CALLERS_GROUP,
+                                     **placement).remote(cfg.model, cfg.data.augment)
 
 
 def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:

@@ -11,6 +11,7 @@ import ray
 import torch
 from tqdm import tqdm
 
+from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.eval.suite import SplitEmbeddings
@@ -49,23 +50,26 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
     return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
 
 
-def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progress: bool = True) -> SplitEmbeddings:
+def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progress: bool = True,
+                        roles: NodeRoles | None = None) -> SplitEmbeddings:
     """A split's embeddings by Ray Data batch inference: the shards decoded and tokenized by
-    CPU tasks, embedded by ``eval.concurrency`` actors (one GPU each with ``train.use_gpu``)
-    anywhere on the cluster, collected on the driver (with a progress bar over the split's
-    images and captions)."""
+    CPU tasks (on the data nodes of ``roles``), embedded by ``eval.concurrency`` actors (one GPU
+    each with ``train.use_gpu``; on the training nodes), collected on the driver (with a
+    progress bar over the split's images and captions). Without ``roles``, anywhere."""
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
-                 num_gpus=1 if cfg.train.use_gpu else 0)
+                 num_gpus=1 if cfg.train.use_gpu else 0) | ({"label_selector": roles.train} if roles and roles.train else {})
     counts = shards.read_manifest(cfg.data.split_path(split))["splits"][split]
     batches = []
     try:
         with tqdm(total=counts["images"] + counts["captions"], desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
             for ds in (ingest.eval_images(cfg, split, ledger_name), ingest.eval_texts(cfg, split)):
-                for batch in ds.map_batches(EmbedBatches, **embed).iter_batches(batch_size=None, batch_format="numpy"):
+                ds = ds.map_batches(EmbedBatches, **embed)
+                ds.context.execution_options.label_selector = roles and roles.data
+                for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
                     batches.append(batch)
                     bar.update(len(batch["image_ids"] if "image_ids" in batch else batch["text_image_ids"]))
         skipped = ray.get(ledger.get.remote())

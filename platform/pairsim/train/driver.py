@@ -24,7 +24,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import jobs, log, storage, tracking
+from pairsim import cluster, jobs, log, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
@@ -75,7 +75,7 @@ def ray_storage(cfg: RunConfig) -> dict[str, Any]:
 
 
 def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, run_id: str,
-           tracking_uri: str) -> tuple[str, dict[str, float]]:
+           tracking_uri: str, roles: cluster.NodeRoles) -> tuple[str, dict[str, float]]:
     """Export the best checkpoint in ``run_dir`` (by ``eval.select_metric`` on val,
     :func:`checkpoints.best_checkpoint`) into the MLflow run's ``model/`` and evaluate it once
     on the test split, when the data has one."""
@@ -97,7 +97,7 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, 
                 logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
                 return best_uri, {}
             model, _ = retrieval.load_exported(written[0])
-        embeddings = inference.embed_with_ray_data(model, cfg, split)
+        embeddings = inference.embed_with_ray_data(model, cfg, split, roles=roles)
         result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
         report.log_report(run, result_report, embeddings,
                           functools.partial(shards.read_rows, cfg.data.split_path(split), split),
@@ -206,18 +206,6 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
                              _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
-def check_cpu_budget(cfg: RunConfig) -> None:
-    """Refuse a run whose training workers would leave Ray Data no CPU for one task (it would
-    wait forever for data), naming the knobs that fix it."""
-    total = ray.cluster_resources().get("CPU", 0.0)
-    train_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
-    if total - train_cpus < cfg.data.cpus_per_task:
-        raise ConfigError(
-            f"train.num_workers × train.cpus_per_worker = {train_cpus:g} of the cluster's {total:g} CPUs leaves "
-            f"{total - train_cpus:g} for Ray Data, less than one task's data.cpus_per_task ({cfg.data.cpus_per_task:g}); "
-            "lower them, add CPU nodes, or give a local instance more with ray.data_cpus")
-
-
 @dataclass(frozen=True)
 class SweepTrial:
     """What makes a run one trial of a Ray Tune sweep (:mod:`pairsim.tune`): its per-epoch
@@ -252,8 +240,9 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
     init_ray(cfg)
-    check_cpu_budget(cfg)
-    ingest.start_ingest_workers(cfg, cfg.train.num_workers * cfg.train.cpus_per_worker)
+    roles = cluster.node_roles(cfg.ray.node_roles)
+    cluster.check_cpu_budget(cfg, roles)
+    ingest.start_ingest_workers(cfg, roles)
     clock.lap("ray")
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
                                tags=skipped_metrics_tag(cfg) | (trial.tags if trial else {}))
@@ -288,7 +277,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
                                                            for key in (trial.logged_params if trial else ())},
                                             reset_temperatures=bool(trial and trial.reset_temperatures)))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                     resources_per_worker=worker_resources),
+                                     resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(
             name=run_name, **ray_storage(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
@@ -296,14 +285,15 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
             failure_config=failure_config, callbacks=callbacks),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"],
-                                  execution_options={"train": ingest.train_execution_options(cfg)}),
+                                  execution_options={name: ingest.execution_options(cfg, roles.data, ordered=name == "train")
+                                                     for name in datasets}),
     )
     best_path, test_metrics = None, {}
     with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_sigterm():
         try:
             result = trainer.fit()
             if trial is None:
-                best_path, test_metrics = finish(cfg, result, run_dir, run_id, tracking_uri)
+                best_path, test_metrics = finish(cfg, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True
         finally:
             ray.kill(ledger)
