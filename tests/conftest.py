@@ -179,3 +179,29 @@ def mlflow_server(tmp_path_factory):
     yield uri
     proc.terminate()
     proc.wait(timeout=30)
+
+
+_VERIFIED: set[Path] = set()
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints whose files both ranks wrote and Ray Train finished copying (it
+    copies them in no set order: checksums can be there before what they sum), oldest first."""
+    from pairsim.train import checkpoints
+
+    for p in run_dir.glob("checkpoint_*"):
+        if p not in _VERIFIED and len(list((p / checkpoints.CHECKSUMS_DIR).glob("rank_*.json"))) == 2 \
+                and not checkpoints.verify_checkpoint(p):
+            _VERIFIED.add(p)
+    return sorted(p for p in _VERIFIED if p.parent == run_dir and p.is_dir())
+
+
+def steps_logged_twice(client, run_id: str) -> dict[str, list[int]]:
+    """The metrics of an MLflow run (``client``: an MlflowClient) logged more than once at a
+    step, with those steps (system metrics left out)."""
+    twice = {}
+    for key in client.get_run(run_id).data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        if not key.startswith("system/") and len(steps) != len(set(steps)):
+            twice[key] = sorted(s for s in set(steps) if steps.count(s) > 1)
+    return twice

@@ -1,8 +1,9 @@
 """A Ray cluster of several nodes on this machine, laid out as cluster.yaml describes: a head that
-trains nothing, a training node and a data-only node, told apart by the ``pairsim-role`` node
-label. A run submitted with ``ray job submit`` puts its Ray Train workers (and the test split's
-embedding actors) on the training node and Ray Data's reads and decodes on the data node; the
-test reads where each task and actor ran from Ray's State API."""
+trains nothing, training nodes and a data-only node, told apart by the ``pairsim-role`` node
+label, each its own raylet and object store on 127.0.0.1. A run submitted with ``ray job submit``
+puts its Ray Train workers (and the test split's embedding actors) on training nodes and Ray
+Data's reads and decodes on the data node (read from Ray's State API); a training node killed
+mid-run is survived from the last checkpoint."""
 
 import contextlib
 import json
@@ -13,16 +14,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import unused_ports
+from conftest import complete_checkpoints, steps_logged_twice, unused_ports
 from pairsim.data import synth
 
-pytestmark = pytest.mark.slow  # ~3 min: three raylets and one submitted run
+pytestmark = pytest.mark.slow  # ~6 min: five raylets, two submitted runs
 REPO = Path(__file__).parents[1]
 RAY = Path(sys.executable).parent / "ray"
 CLIENT_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}  # Ray 2.60 heads take a token
@@ -50,41 +52,53 @@ def state(address: str, kind: str) -> list[dict]:
     return json.loads(done.stdout)
 
 
+@dataclass
+class Cluster:
+    address: str  # the dashboard's: job submission and the State API
+    nodes: dict[str, subprocess.Popen]  # by name: head, train-1 … train-3, data-1
+    node_ids: dict[str, str]  # Ray's node id by name
+
+    def role(self, role: str) -> set[str]:
+        return {node_id for name, node_id in self.node_ids.items() if name.startswith(f"{role}-")}
+
+
+LAYOUT = {"train-1": 1, "train-2": 1, "train-3": 1, "data-1": 2}  # CPUs by node: 2 workers, and one to spare
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A head with no CPUs (job drivers, Train's controller) and two labelled worker nodes with 2
-    CPUs each; yields the dashboard address and the node ids by role."""
+    """A head with no CPUs (job drivers, Train's controller), three training nodes of 1 CPU and a
+    data node of 2, labelled by role (and by name, to find a node's process)."""
     logs = tmp_path_factory.mktemp("multinode")
     temp_dirs = []
     gcs, dashboard, client = unused_ports(3)
     address = f"http://127.0.0.1:{dashboard}"
-    nodes = [start_node(logs / "head.log", temp_dirs, "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
-                        "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}", "--num-cpus=0")]
+    nodes = {"head": start_node(logs / "head.log", temp_dirs, "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
+                                "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}", "--num-cpus=0")}
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 420
         while subprocess.run([str(RAY), "job", "submit", "--address", address, "--", "python", "-c", "pass"],
                              capture_output=True, env=CLIENT_ENV).returncode:
-            assert time.time() < deadline and nodes[0].poll() is None, (logs / "head.log").read_text()[-3000:]
+            assert time.time() < deadline and nodes["head"].poll() is None, (logs / "head.log").read_text()[-3000:]
             time.sleep(2)
-        roles = {}
-        for role in ("train", "data"):  # one after the other: a loaded machine can miss Ray's 30 s to register
+        node_ids = {}
+        for name, cpus in LAYOUT.items():  # one after the other: a loaded machine can miss Ray's 30 s to register
             for attempt in range(3):
-                node = start_node(logs / f"{role}-{attempt}.log", temp_dirs, f"--address=127.0.0.1:{gcs}",
-                                  "--num-cpus=2", f"--labels=pairsim-role={role}")
-                nodes.append(node)
-                while role not in roles and node.poll() is None and time.time() < deadline:
-                    roles = {n["labels"]["pairsim-role"]: n["node_id"] for n in state(address, "nodes")
-                             if n["state"] == "ALIVE" and "pairsim-role" in n.get("labels", {})}
+                nodes[name] = start_node(logs / f"{name}-{attempt}.log", temp_dirs, f"--address=127.0.0.1:{gcs}",
+                                         f"--num-cpus={cpus}", f"--labels=pairsim-role={name.split('-')[0]},node={name}")
+                while name not in node_ids and nodes[name].poll() is None and time.time() < deadline:
+                    node_ids = {n["labels"]["node"]: n["node_id"] for n in state(address, "nodes")
+                                if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
                     time.sleep(1)
-                if role in roles:
+                if name in node_ids:
                     break
-            assert role in roles, (logs / f"{role}-{attempt}.log").read_text()[-3000:]
-        yield address, roles
+            assert name in node_ids, (logs / f"{name}-{attempt}.log").read_text()[-3000:]
+        yield Cluster(address, nodes, node_ids)
     finally:
-        for node in reversed(nodes):
+        for node in reversed(nodes.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGTERM)
-        for node in nodes:
+        for node in nodes.values():
             try:
                 node.wait(timeout=10)
             except subprocess.TimeoutExpired:  # nothing to keep: a node's state goes with its directory
@@ -94,32 +108,74 @@ def cluster(tmp_path_factory):
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_a_submitted_run_trains_on_training_nodes_and_reads_data_on_data_nodes(cluster, tmp_path):
-    address, roles = cluster
+def job_source(tmp_path: Path, num_train: int, **run: dict) -> Path:
+    """The repository's code, a dataset and ``run.yaml`` (the demo config's overrides) to submit."""
     src = tmp_path / "src"
     for part in ("platform", "pipelines"):
         shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
-    synth.generate(src / "shapes", num_train=128, num_val=32, num_test=32, progress=False)
+    synth.generate(src / "shapes", num_train=num_train, num_val=32, num_test=32, progress=False)
     (src / "run.yaml").write_text(yaml.safe_dump({
-        "data": {"path": "shapes"}, "train": {"epochs": 1, "num_workers": 2, "micro_batch_size": 16},
-        "ray": {"run_name": "placed", "storage_path": str(tmp_path / "ray_results")},
+        "data": {"path": "shapes"}, "train": {"num_workers": 2, "micro_batch_size": 16} | run.get("train", {}),
+        "ray": {"storage_path": str(tmp_path / "ray_results")} | run.get("ray", {}),
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}}))
-    job = subprocess.run([str(RAY), "job", "submit", "--address", address, "--working-dir", str(src), "--",
-                          sys.executable, "pipelines/train.py", "--config", "platform/pairsim/configs/demo.yaml",
-                          "--config", "run.yaml"], capture_output=True, text=True, timeout=900, env=CLIENT_ENV)
+    return src
+
+
+def submit_command(cluster: Cluster, src: Path) -> list[str]:
+    return [str(RAY), "job", "submit", "--address", cluster.address, "--working-dir", str(src), "--", sys.executable,
+            "pipelines/train.py", "--config", "platform/pairsim/configs/demo.yaml", "--config", "run.yaml"]
+
+
+def the_run(tmp_path: Path):
+    """The one MLflow run of the job (a second would be a lost attempt)."""
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run, = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return client, run
+
+
+def test_a_submitted_run_trains_on_training_nodes_and_reads_data_on_data_nodes(cluster, tmp_path):
+    src = job_source(tmp_path, 128, train={"epochs": 1}, ray={"run_name": "placed"})
+    job = subprocess.run(submit_command(cluster, src), capture_output=True, text=True, timeout=900, env=CLIENT_ENV)
     assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
-    run, = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_runs(
-        [e.experiment_id for e in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").search_experiments()])
+    _, run = the_run(tmp_path)
     assert {"val/rsum", "test/rsum"} <= set(run.data.metrics)
 
-    actors = state(address, "actors")
+    actors = state(cluster.address, "actors")
     train_workers = [a for a in actors if a["class_name"] == "RayTrainWorker"]
     embedders = [a for a in actors if "EmbedBatches" in a["class_name"]]
-    assert len(train_workers) == 2 and {a["node_id"] for a in train_workers} == {roles["train"]}
-    assert embedders and {a["node_id"] for a in embedders} == {roles["train"]}  # the test split's model
-    tasks = [t for t in state(address, "tasks") if t["type"] == "NORMAL_TASK"]
+    assert len(train_workers) == 2 and {a["node_id"] for a in train_workers} <= cluster.role("train")
+    assert embedders and {a["node_id"] for a in embedders} <= cluster.role("train")  # the test split's model
+    tasks = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK"]
     data_work = [t for t in tasks if "ReadParquet" in t["name"] or "_start_ingest_worker" in t["name"]]
     assert any("_start_ingest_worker" in t["name"] for t in data_work)
     assert {t["name"].split("->")[0] for t in data_work} >= {"ReadParquet"}
-    assert {t["node_id"] for t in data_work} == {roles["data"]}, {
-        (t["name"], t["node_id"]) for t in data_work if t["node_id"] != roles["data"]}
+    assert {t["node_id"] for t in data_work} == cluster.role("data"), {
+        (t["name"], t["node_id"]) for t in data_work if t["node_id"] not in cluster.role("data")}
+
+
+def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_the_nodes_left(cluster, tmp_path):
+    """A training node killed (its raylet, object store and workers: a spot instance gone) in
+    epoch 2: Ray Train restarts the worker group on the training nodes left from epoch 1's
+    checkpoint, on storage every node sees; one MLflow run, no metric step twice."""
+    src = job_source(tmp_path, 1200, train={"epochs": 2}, ray={"run_name": "survivor", "max_failures": 2})
+    run_dir = tmp_path / "ray_results" / "survivor"
+    job = subprocess.Popen(submit_command(cluster, src), stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT,
+                           env=CLIENT_ENV)
+    deadline = time.time() + 600
+    while not complete_checkpoints(run_dir):
+        assert job.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-4000:]
+        time.sleep(1)
+    before = {a["actor_id"]: a for a in state(cluster.address, "actors") if a["class_name"] == "RayTrainWorker"}
+    lost = next(name for name, node_id in cluster.node_ids.items()
+                if node_id in {a["node_id"] for a in before.values() if a["state"] == "ALIVE"})
+    os.killpg(cluster.nodes[lost].pid, signal.SIGKILL)
+    assert job.wait(timeout=900) == 0, (tmp_path / "job.log").read_text()[-4000:]
+    assert "resumed from checkpoint: epoch 2" in (tmp_path / "job.log").read_text()
+
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED" and steps_logged_twice(client, run.info.run_id) == {}
+    assert len(client.get_metric_history(run.info.run_id, "val/rsum")) == 2 and "test/rsum" in run.data.metrics
+    assert len(complete_checkpoints(run_dir)) == 2
+    restarted = [a for a in state(cluster.address, "actors")
+                 if a["class_name"] == "RayTrainWorker" and a["actor_id"] not in before]
+    assert len(restarted) == 2 and {a["node_id"] for a in restarted} <= cluster.role("train") - {cluster.node_ids[lost]}

@@ -21,7 +21,8 @@ import torch
 from mlflow.tracking import MlflowClient
 
 import toy_loss  # noqa: F401  (registers cos_hinge_nan_after here; workers import it from the pickled config)
-from conftest import STEPS_PER_EPOCH, e2e_overrides, start_mlflow_server, unused_port
+from conftest import (STEPS_PER_EPOCH, complete_checkpoints, e2e_overrides, start_mlflow_server, steps_logged_twice,
+                      unused_port)
 from pairsim import log, tracking
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import load_config
@@ -29,19 +30,6 @@ from pairsim.losses import build_objective
 from pairsim.train import checkpoints, driver
 
 pytestmark = pytest.mark.slow
-
-
-_VERIFIED: set[Path] = set()
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The run's checkpoints whose files both ranks wrote and Ray Train finished copying (it
-    copies them in no set order: checksums can be there before what they sum), oldest first."""
-    for p in run_dir.glob("checkpoint_*"):
-        if p not in _VERIFIED and len(list((p / checkpoints.CHECKSUMS_DIR).glob("rank_*.json"))) == 2 \
-                and not checkpoints.verify_checkpoint(p):
-            _VERIFIED.add(p)
-    return sorted(p for p in _VERIFIED if p.parent == run_dir and p.is_dir())
 
 
 def registered(run_dir: Path) -> set[str]:
@@ -77,15 +65,6 @@ def wait_for(condition, what: str, proc: subprocess.Popen, output: Path, started
         assert proc.poll() is None, f"the run ended before {what}:\n{output.read_text()[-4000:]}"
         assert time.time() < deadline, f"no {what} in {timeout} s:\n{output.read_text()[-4000:]}"
         time.sleep(1)
-
-
-def steps_logged_twice(client: MlflowClient, run_id: str) -> dict[str, list[int]]:
-    twice = {}
-    for key in client.get_run(run_id).data.metrics:
-        steps = [m.step for m in client.get_metric_history(run_id, key)]
-        if not key.startswith("system/") and len(steps) != len(set(steps)):
-            twice[key] = sorted(s for s in set(steps) if steps.count(s) > 1)
-    return twice
 
 
 def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_work(ray_instance, tiny_dataset,

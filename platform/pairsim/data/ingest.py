@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import ray
 from PIL import Image
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
@@ -52,8 +53,11 @@ OUTSIDE_CALLERS_GROUP = "DEFAULT"
 
 
 def skip_ledger(name: str):
-    """Create (or get) the run's ledger; the driver owns it, Data tasks look it up by name."""
-    return SkipLedger.options(name=name, get_if_exists=True, scheduling_strategy=OUTSIDE_CALLERS_GROUP).remote()
+    """Create (or get) the run's ledger; the driver owns it, Data tasks look it up by name. It
+    lives on the driver's node, which the run cannot outlive anyway: on another node it would
+    take the run down with it (a training node lost mid-run did, before)."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return SkipLedger.options(name=name, get_if_exists=True, scheduling_strategy=here).remote()
 
 
 def open_image(raw: bytes) -> Image.Image:
