@@ -52,3 +52,32 @@ def test_nodes_get_pairsims_dependencies_and_not_pairsim():
 
 def test_the_head_gives_a_stopped_driver_time_to_end_its_run():
     assert "RAY_JOB_STOP_WAIT_TIME_S=" in " ".join(CONFIG["head_start_ray_commands"])
+
+
+RAYJOB = yaml.safe_load((REPO / "docs" / "kuberay" / "rayjob.yaml").read_text())
+
+
+def test_the_kuberay_rayjob_submits_the_documented_entry_point_with_pairsims_dependencies():
+    import ray
+    from pairsim.cli import build_parser
+
+    entry = shlex.split(RAYJOB["spec"]["entrypoint"])
+    assert entry[:2] == ["python", "pipelines/train.py"] and (REPO / entry[1]).is_file()
+    args = build_parser().parse_args(["train", *entry[2:]])  # the flags pipelines/train.py hands pairsim train
+    assert args.config == [Path("run.yaml")] and all("=" in o for o in args.overrides)
+    assert "python pipelines/train.py --config run.yaml" in (REPO / "README.md").read_text()  # the documented one
+    runtime_env = yaml.safe_load(RAYJOB["spec"]["runtimeEnvYAML"])
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert sorted(runtime_env["pip"]) == sorted(dependencies) and "py_modules" not in runtime_env
+    assert set(runtime_env) == {"working_dir", "pip"}  # the driver adds pairsim as py_modules itself
+    assert RAYJOB["spec"]["rayClusterSpec"]["rayVersion"] == ray.__version__
+
+
+def test_the_kuberay_cluster_has_cluster_yamls_roles():
+    roles, spec = NodeRolesConfig(), RAYJOB["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert groups["gpu-worker"]["labels"] == {roles.label: roles.train}
+    assert groups["data-worker"]["labels"] == {roles.label: roles.data}
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    head_env = {e["name"]: e["value"] for e in spec["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "RAY_JOB_STOP_WAIT_TIME_S" in head_env
