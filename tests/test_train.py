@@ -174,6 +174,19 @@ def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(zero3_run, mlflow_s
         f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in (0, 1)]
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert model.state_dict()["token_embedding.weight"].abs().sum() > 0  # gathered, not empty shards
+    # the registry round trip on the team layout (runs in PostgreSQL, artifacts in S3 behind the server)
+    assert main(["export", "--run-id", result.mlflow_run_id, "--tracking-uri", mlflow_server,
+                 "--out", str(tmp_path / "registered" / "model.pt"), "--register", "pairsim-zero3"]) == 0
+    mlflow.set_tracking_uri(mlflow_server)
+    registered = mlflow.pytorch.load_model("models:/pairsim-zero3/1").eval()
+    exported, _ = retrieval.load_exported(tmp_path / "registered" / "model.pt")  # towers and heads
+    pixels, tokens = fixed_inputs(load_config(DEMO_CONFIG))
+    with torch.no_grad():
+        for inputs in ({"image": pixels}, {"text": tokens}):
+            got, want = registered(**inputs), exported(**inputs)
+            assert set(got) == set(want)
+            for key in want:
+                torch.testing.assert_close(got[key], want[key])
 
 
 def engine_embeddings(config):
