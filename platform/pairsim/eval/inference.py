@@ -59,7 +59,7 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
-                 batch_size=cfg.eval.batch_size, concurrency=cfg.eval.concurrency,
+                 batch_size=cfg.eval.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency),
                  num_gpus=1 if cfg.train.use_gpu else 0) | ({"label_selector": roles.train} if roles and roles.train else {})
     counts = shards.read_manifest(cfg.data.split_path(split))["splits"][split]
     batches = []

@@ -126,6 +126,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
             progress: bool = True) -> Path:
     """Embed every image and caption of ``splits`` with the run's teachers (Ray Data batch
     inference on ``concurrency`` actors) and write a :class:`TeacherStore` at ``out``."""
+    import ray
     from tqdm import tqdm
 
     cusa = cfg.loss.cusa
@@ -138,7 +139,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
     for split in splits:
         rows = ingest.read_split(cfg, split, ["image", "image_id", "captions"], include_paths=True)
         embedded = rows.map_batches(_EmbedShardRows, fn_constructor_args=(teachers,), batch_size=batch_size,
-                                    concurrency=concurrency, batch_format="numpy")
+                                    compute=ray.data.ActorPoolStrategy(size=concurrency), batch_format="numpy")
         by_shard: dict[str, list[dict[str, Any]]] = {}
         with tqdm(total=manifest["splits"][split]["images"], desc=f"teacher features {split}", unit="img",
                   disable=not progress) as bar:
