@@ -42,15 +42,14 @@ def node_roles(roles: NodeRolesConfig, nodes: list[dict] | None = None) -> NodeR
     labelled = any(roles.label in n.get("Labels", {}) for n in alive)
     if roles.placement == "off" or (roles.placement == "auto" and not labelled):
         return NodeRoles(None, None, cpus(None), cpus(None))
-    found = {role: cpus(value) for role, value in (("train", roles.train), ("data", roles.data))}
-    missing = [f"{roles.label}={value}" for role, value in (("train", roles.train), ("data", roles.data))
-               if not found[role]]
+    found = {value: cpus(value) for value in (roles.train, roles.data)}
+    missing = [f"{roles.label}={value}" for value, count in found.items() if not count]
     if missing:
         seen = sorted({f"{roles.label}={n['Labels'][roles.label]}" for n in alive if roles.label in n.get("Labels", {})})
         raise ConfigError(f"ray.node_roles: no alive node with CPUs is labelled {' or '.join(missing)} (labelled: "
                           f"{', '.join(seen) or 'none'}); label them (ray start --labels …, cluster.yaml's node types), "
                           "name your labels in ray.node_roles, or set ray.node_roles.placement=off")
-    return NodeRoles({roles.label: roles.train}, {roles.label: roles.data}, found["train"], found["data"])
+    return NodeRoles({roles.label: roles.train}, {roles.label: roles.data}, found[roles.train], found[roles.data])
 
 
 def check_cpu_budget(cfg: RunConfig, roles: NodeRoles) -> None:
