@@ -3,6 +3,7 @@ fills in its AWS defaults (no cloud call), with GPU training nodes, CPU-only dat
 pairsim's dependencies installed on the nodes but not pairsim (jobs ship it), node types
 labelled with the roles ``ray.node_roles`` places by."""
 
+import re
 import shlex
 import tomllib
 from pathlib import Path
@@ -52,6 +53,25 @@ def test_nodes_get_pairsims_dependencies_and_not_pairsim():
 
 def test_the_head_gives_a_stopped_driver_time_to_end_its_run():
     assert "RAY_JOB_STOP_WAIT_TIME_S=" in " ".join(CONFIG["head_start_ray_commands"])
+
+
+def test_the_head_runs_mlflow_as_a_team_does_and_every_node_logs_to_it():
+    """The head's ``mlflow server`` is "MLflow for a team"'s, as the tests' server runs: store and
+    artifact destination in variables MLflow's CLI reads, artifacts proxied, flags it parses, the
+    PostgreSQL driver installed; each node starts Ray with MLFLOW_TRACKING_URI at its port."""
+    from mlflow.cli import server
+
+    head = CONFIG["head_start_ray_commands"]
+    command, = [c for c in head if "mlflow server" in c and "pkill" not in c]
+    assert set(re.findall(r"\b(MLFLOW_\w+)=", command)) == {"MLFLOW_BACKEND_STORE_URI", "MLFLOW_ARTIFACTS_DESTINATION"}
+    assert {"MLFLOW_BACKEND_STORE_URI", "MLFLOW_ARTIFACTS_DESTINATION"} <= {p.envvar for p in server.params}
+    args = shlex.split(command.split("nohup mlflow server", 1)[1].split(">", 1)[0])
+    assert "--serve-artifacts" in args and server.make_context("server", list(args)).params["serve_artifacts"]
+    port = args[args.index("--port") + 1]
+    for start in (head[-1], CONFIG["worker_start_ray_commands"][-1]):
+        assert re.search(rf"export MLFLOW_TRACKING_URI=http://[^;]+:{port};", start)
+        assert start.index("MLFLOW_TRACKING_URI") < start.index("ray start")
+    assert "psycopg[binary]" in " ".join(CONFIG["head_setup_commands"])
 
 
 RAYJOB = yaml.safe_load((REPO / "docs" / "kuberay" / "rayjob.yaml").read_text())

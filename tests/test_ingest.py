@@ -26,6 +26,35 @@ def test_equal_steps_stops_every_rank_with_the_shortest():
     assert on_gloo_ranks(_equal_steps_worker, timeout=180) == {0: [0, 1, 2], 1: [0, 1, 2]}
 
 
+def audit_batches(rank: int) -> list[dict]:
+    """Two micro-batches of 4 pairs a rank over images 0–9 (2 pairs each): rank 1's second
+    batch trains image 1's first pair again, as a block delivered twice would."""
+    keys = {0: [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (3, 0), (3, 1), (4, 0)],
+            1: [(5, 0), (5, 1), (6, 0), (6, 1), (7, 0), (1, 0), (8, 1), (8, 0)]}[rank]
+    return [{"group_ids": torch.tensor([g for g, _ in part]), "pair_slot": torch.tensor([k for _, k in part])}
+            for part in (keys[:4], keys[4:])]
+
+
+def _audit_worker(rank, world):
+    audit = ingest.EpochAudit(train_images=10)
+    for batch in audit_batches(rank):
+        audit.record(batch)
+    return audit.metrics()
+
+
+def test_the_epoch_audit_counts_pairs_over_ranks_as_one_process_counts_them():
+    one = ingest.EpochAudit(train_images=10)
+    for batch in audit_batches(0) + audit_batches(1):
+        one.record(batch)
+    expected = one.metrics()
+    keys = [(int(g), int(k)) for b in audit_batches(0) + audit_batches(1) for g, k in zip(*b.values())]
+    assert expected == {"data/epoch_pairs": len(keys), "data/epoch_pairs_repeated": len(keys) - len(set(keys)),
+                        "data/epoch_images_unseen": 10 - len({g for g, _ in keys})} == {
+        "data/epoch_pairs": 16, "data/epoch_pairs_repeated": 1, "data/epoch_images_unseen": 1}
+    assert on_gloo_ranks(_audit_worker, timeout=180) == {0: expected, 1: expected}
+    assert one.metrics()["data/epoch_pairs"] == 0  # the next epoch counts afresh
+
+
 @pytest.fixture(scope="module")
 def dataset_with_bad_images(tiny_dataset, tmp_path_factory):
     """The tiny dataset (256 images) with 18 undecodable images added to its last shard —
@@ -146,6 +175,7 @@ def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
     groups, picks = out["group_ids"].reshape(8, 3), out["caption_index"].reshape(8, 3)
     assert (groups == groups[:, :1]).all() and len(set(groups[:, 0])) == 8
     assert all(len(set(row)) == 3 for row in picks)  # 5 captions each: 3 distinct draws
+    assert out["pair_slot"].tolist() == [0, 1, 2] * 8
     np.testing.assert_array_equal(groups[:, 0], ingest.group_ids(batch["image_id"]))
 
 
@@ -154,7 +184,8 @@ def test_all_pairs_gives_every_caption_of_every_image(tiny_dataset):
     batch = train_rows(tiny_dataset, 6)
     out = ingest.TrainPreprocess(cfg, "unused-ledger")(batch)
     assert out["tokens"].shape[0] == sum(len(c) for c in batch["captions"]) == 30
-    assert out["caption_index"].tolist() == [k for caps in batch["captions"] for k in range(len(caps))]
+    assert out["caption_index"].tolist() == out["pair_slot"].tolist() == [
+        k for caps in batch["captions"] for k in range(len(caps))]
 
 
 def test_draws_decide_captions_and_augmentation(tiny_dataset):

@@ -3,7 +3,7 @@ trains nothing, training nodes and a data-only node, told apart by the ``pairsim
 label, each its own raylet and object store on 127.0.0.1. A run submitted with ``ray job submit``
 puts its Ray Train workers (and the test split's embedding actors) on training nodes and Ray
 Data's reads and decodes on the data node (read from Ray's State API); a training node killed
-mid-run is survived from the last checkpoint."""
+mid-run is survived from the last checkpoint, a data node lost mid-run costs no training pair."""
 
 import contextlib
 import json
@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from conftest import complete_checkpoints, steps_logged_twice, unused_ports
 from pairsim.data import synth
 
-pytestmark = pytest.mark.slow  # ~6 min: five raylets, two submitted runs
+pytestmark = pytest.mark.slow  # ~8 min: six raylets, three submitted runs
 REPO = Path(__file__).parents[1]
 RAY = Path(sys.executable).parent / "ray"
 CLIENT_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}  # Ray 2.60 heads take a token
@@ -33,7 +33,7 @@ NODE_PORTS = ("node-manager-port", "object-manager-port", "runtime-env-agent-por
 STORE = str(150 * 1024 ** 2)  # bytes of object store a node: three share this machine's memory
 
 
-def start_node(log: Path, temp_dirs: list[str], *flags: str) -> subprocess.Popen:
+def start_node(log: Path, temp_dirs: list[str], env: dict[str, str], *flags: str) -> subprocess.Popen:
     """``ray start --block`` of one node on 127.0.0.1 with its own free ports and temporary
     directory (nodes sharing one would share its runtime_resources/, and one node's clean-up
     would delete a job's working directory under another's driver); in its own session: killing
@@ -43,7 +43,7 @@ def start_node(log: Path, temp_dirs: list[str], *flags: str) -> subprocess.Popen
     return subprocess.Popen([str(RAY), "start", "--block", "--node-ip-address=127.0.0.1", f"--object-store-memory={STORE}",
                              f"--temp-dir={temp_dirs[-1]}", *(f"--{flag}={port}" for flag, port in zip(NODE_PORTS, ports)),
                              *flags],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=CLIENT_ENV)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def state(address: str, kind: str) -> list[dict]:
@@ -55,56 +55,70 @@ def state(address: str, kind: str) -> list[dict]:
 @dataclass
 class Cluster:
     address: str  # the dashboard's: job submission and the State API
+    gcs: int  # the head's port, which nodes join
+    env: dict[str, str]  # of every node: the S3 endpoint and credentials, as a cloud's nodes have theirs
+    logs: Path
+    temp_dirs: list[str]
     nodes: dict[str, subprocess.Popen]  # by name: head, train-1 … train-3, data-1
     node_ids: dict[str, str]  # Ray's node id by name
 
     def role(self, role: str) -> set[str]:
         return {node_id for name, node_id in self.node_ids.items() if name.startswith(f"{role}-")}
 
+    def join(self, name: str, cpus: int, deadline: float) -> None:
+        """Start node ``name`` (labelled with its role, the part before the dash, and its
+        name) and wait until Ray lists it alive; three tries: a loaded machine can miss Ray's
+        30 s to register."""
+        for attempt in range(3):
+            self.nodes[name] = start_node(self.logs / f"{name}-{attempt}.log", self.temp_dirs, self.env,
+                                          f"--address=127.0.0.1:{self.gcs}", f"--num-cpus={cpus}",
+                                          f"--labels=pairsim-role={name.split('-')[0]},node={name}")
+            while name not in self.node_ids and self.nodes[name].poll() is None and time.time() < deadline:
+                self.node_ids = {n["labels"]["node"]: n["node_id"] for n in state(self.address, "nodes")
+                                 if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
+                time.sleep(1)
+            if name in self.node_ids:
+                return
+        raise AssertionError((self.logs / f"{name}-{attempt}.log").read_text()[-3000:])
+
+    def kill(self, name: str) -> None:
+        """The node's raylet, object store and workers gone at once, as a spot instance vanishes."""
+        os.killpg(self.nodes[name].pid, signal.SIGKILL)
+
 
 LAYOUT = {"train-1": 1, "train-2": 1, "train-3": 1, "data-1": 2}  # CPUs by node: 2 workers, and one to spare
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, s3_env):
     """A head with no CPUs (job drivers, Train's controller), three training nodes of 1 CPU and a
     data node of 2, labelled by role (and by name, to find a node's process)."""
     logs = tmp_path_factory.mktemp("multinode")
-    temp_dirs = []
     gcs, dashboard, client = unused_ports(3)
-    address = f"http://127.0.0.1:{dashboard}"
-    nodes = {"head": start_node(logs / "head.log", temp_dirs, "--head", f"--port={gcs}", f"--dashboard-port={dashboard}",
-                                "--dashboard-host=127.0.0.1", f"--ray-client-server-port={client}", "--num-cpus=0")}
+    cluster = Cluster(f"http://127.0.0.1:{dashboard}", gcs, CLIENT_ENV | s3_env, logs, [], {}, {})
+    cluster.nodes["head"] = start_node(logs / "head.log", cluster.temp_dirs, cluster.env, "--head", f"--port={gcs}",
+                                       f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
+                                       f"--ray-client-server-port={client}", "--num-cpus=0")
     try:
         deadline = time.time() + 420
-        while subprocess.run([str(RAY), "job", "submit", "--address", address, "--", "python", "-c", "pass"],
+        while subprocess.run([str(RAY), "job", "submit", "--address", cluster.address, "--", "python", "-c", "pass"],
                              capture_output=True, env=CLIENT_ENV).returncode:
-            assert time.time() < deadline and nodes["head"].poll() is None, (logs / "head.log").read_text()[-3000:]
+            assert time.time() < deadline and cluster.nodes["head"].poll() is None, (logs / "head.log").read_text()[-3000:]
             time.sleep(2)
-        node_ids = {}
-        for name, cpus in LAYOUT.items():  # one after the other: a loaded machine can miss Ray's 30 s to register
-            for attempt in range(3):
-                nodes[name] = start_node(logs / f"{name}-{attempt}.log", temp_dirs, f"--address=127.0.0.1:{gcs}",
-                                         f"--num-cpus={cpus}", f"--labels=pairsim-role={name.split('-')[0]},node={name}")
-                while name not in node_ids and nodes[name].poll() is None and time.time() < deadline:
-                    node_ids = {n["labels"]["node"]: n["node_id"] for n in state(address, "nodes")
-                                if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
-                    time.sleep(1)
-                if name in node_ids:
-                    break
-            assert name in node_ids, (logs / f"{name}-{attempt}.log").read_text()[-3000:]
-        yield Cluster(address, nodes, node_ids)
+        for name, cpus in LAYOUT.items():  # one after the other
+            cluster.join(name, cpus, deadline)
+        yield cluster
     finally:
-        for node in reversed(nodes.values()):
+        for node in reversed(cluster.nodes.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.pid, signal.SIGTERM)
-        for node in nodes.values():
+        for node in cluster.nodes.values():
             try:
                 node.wait(timeout=10)
             except subprocess.TimeoutExpired:  # nothing to keep: a node's state goes with its directory
                 os.killpg(node.pid, signal.SIGKILL)
                 node.wait()
-        for temp_dir in temp_dirs:
+        for temp_dir in cluster.temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -115,7 +129,7 @@ def job_source(tmp_path: Path, num_train: int, **run: dict) -> Path:
         shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     synth.generate(src / "shapes", num_train=num_train, num_val=32, num_test=32, progress=False)
     (src / "run.yaml").write_text(yaml.safe_dump({
-        "data": {"path": "shapes"}, "train": {"num_workers": 2, "micro_batch_size": 16} | run.get("train", {}),
+        "data": {"path": "shapes"} | run.get("data", {}), "train": {"num_workers": 2, "micro_batch_size": 16} | run.get("train", {}),
         "ray": {"storage_path": str(tmp_path / "ray_results")} | run.get("ray", {}),
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}}))
     return src
@@ -168,7 +182,7 @@ def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_t
     before = {a["actor_id"]: a for a in state(cluster.address, "actors") if a["class_name"] == "RayTrainWorker"}
     lost = next(name for name, node_id in cluster.node_ids.items()
                 if node_id in {a["node_id"] for a in before.values() if a["state"] == "ALIVE"})
-    os.killpg(cluster.nodes[lost].pid, signal.SIGKILL)
+    cluster.kill(lost)
     assert job.wait(timeout=900) == 0, (tmp_path / "job.log").read_text()[-4000:]
     assert "resumed from checkpoint: epoch 2" in (tmp_path / "job.log").read_text()
 
@@ -179,3 +193,41 @@ def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_t
     restarted = [a for a in state(cluster.address, "actors")
                  if a["class_name"] == "RayTrainWorker" and a["actor_id"] not in before]
     assert len(restarted) == 2 and {a["node_id"] for a in restarted} <= cluster.role("train") - {cluster.node_ids[lost]}
+
+
+def test_a_data_node_lost_mid_run_every_pair_is_trained_once_with_checkpoints_on_s3(cluster, tmp_path, s3_env):
+    """The data node killed in epoch 1, a new one joining (as an autoscaler replaces a spot
+    instance): the run finishes, reading the rest (epoch 1's validation, epoch 2, the test
+    split) on the new node; every epoch trained each pair at most once and left unseen only
+    what drop_last leaves (the epoch audit, counted over both ranks); one MLflow run, no step
+    twice; the checkpoints are in S3."""
+    import pyarrow.fs as pafs
+
+    s3 = pafs.S3FileSystem(endpoint_override=s3_env["AWS_ENDPOINT_URL"], allow_bucket_creation=True,
+                           access_key=s3_env["AWS_ACCESS_KEY_ID"], secret_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+                           region=s3_env["AWS_DEFAULT_REGION"])
+    s3.create_dir("pairsim-multinode")
+    src = job_source(tmp_path, 1200, train={"epochs": 2}, data={"audit_epochs": True},
+                     ray={"run_name": "data-lost", "max_failures": 2, "storage_path": "s3://pairsim-multinode/ray"})
+    job = subprocess.Popen(submit_command(cluster, src), stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT,
+                           env=CLIENT_ENV)
+    deadline = time.time() + 600
+    while "epoch 1/2 step 20/" not in (tmp_path / "job.log").read_text():
+        assert job.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-4000:]
+        time.sleep(0.5)
+    cluster.kill("data-1")
+    cluster.join("data-2", LAYOUT["data-1"], time.time() + 300)
+    assert job.wait(timeout=900) == 0, (tmp_path / "job.log").read_text()[-4000:]
+
+    client, run = the_run(tmp_path)
+    assert run.info.status == "FINISHED" and steps_logged_twice(client, run.info.run_id) == {}
+    history = {key: [m.value for m in client.get_metric_history(run.info.run_id, f"data/epoch_{key}")]
+               for key in ("pairs", "pairs_repeated", "images_unseen")}
+    steps = 1200 // (16 * 2)
+    assert history == {"pairs": [steps * 32] * 2, "pairs_repeated": [0, 0], "images_unseen": [1200 - steps * 32] * 2}
+    assert "test/rsum" in run.data.metrics
+    checkpoints = [info.base_name for info in s3.get_file_info(pafs.FileSelector("pairsim-multinode/ray/data-lost"))
+                   if info.base_name.startswith("checkpoint_") and info.type == pafs.FileType.Directory]
+    assert len(checkpoints) == 2
+    data_work = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK" and "ReadParquet" in t["name"]]
+    assert any("Project" in t["name"] for t in data_work if t["node_id"] == cluster.node_ids["data-2"])  # train reads

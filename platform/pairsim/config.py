@@ -87,6 +87,11 @@ class DataConfig(_Section):
     cpus_per_task: Float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
     max_cpus: Float | None = Field(
         None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
+    audit_epochs: Bool = Field(
+        False, description="count each epoch's trained pairs over all ranks and log data/epoch_pairs, "
+                           "data/epoch_pairs_repeated (rows delivered twice, e.g. by a retried task) and "
+                           "data/epoch_images_unseen (pairsim.data.ingest.EpochAudit); gathers 16 bytes a pair "
+                           "at each epoch's end")
 
 
     def split_path(self, split: str) -> str | Path:

@@ -138,7 +138,9 @@ def caption_picks(draws: np.ndarray, counts: np.ndarray, pairs: int | str) -> li
 
 class TrainPreprocess:
     """Training pairs: ``data.pairs_per_image`` captions per image (see :func:`caption_picks`),
-    each with its own augmentation of the image, tokenized; ``group_ids`` from the image id.
+    each with its own augmentation of the image, tokenized; ``group_ids`` from the image id and
+    ``pair_slot``, the pair's place among its image's (with the group id, a key of the pair
+    that :class:`EpochAudit` counts).
     With CUSA, the teachers' inputs (live: ``teacher_image.*``, ``teacher_text.*``) or their
     extracted embeddings (``teacher_image``, ``teacher_text`` from a
     :class:`~pairsim.teachers.store.TeacherStore`) ride along.
@@ -164,7 +166,9 @@ class TrainPreprocess:
         out = {"pixels": self.pixels([images[i] for i in image_of_pair], seed),
                "tokens": tokenize(self.arch, captions),
                "group_ids": group_ids(batch["image_id"][keep])[image_of_pair],
-               "caption_index": caption_index}
+               "caption_index": caption_index,
+               "pair_slot": np.concatenate([np.arange(len(p)) for p in picks]).astype(np.int64) if picks
+               else np.zeros(0, np.int64)}
         if "image" in self.teachers and images:
             prepared = self.teachers["image"].prepare(images)
             out |= {f"teacher_image.{k}": v[image_of_pair] for k, v in prepared.items()}
@@ -331,3 +335,39 @@ def equal_steps(batches: Iterable[Any]) -> Iterator[Any]:
         if not dist.all_true(batch is not None):
             return
         yield batch
+
+
+class EpochAudit:
+    """Which pairs one epoch trained on, over all ranks (``data.audit_epochs``): a Ray Data task
+    retried after a lost node must neither drop its rows nor deliver them twice.
+
+    ``record`` each micro-batch's pair keys (group id, pair slot); ``metrics`` at the epoch's end
+    (a collective: every rank calls it, and every rank trained the same number of rows, see
+    :func:`equal_steps`) all-gathers them, 16 bytes a pair, and gives
+
+    - ``data/epoch_pairs``: pairs trained, over the ranks;
+    - ``data/epoch_pairs_repeated``: of them, trained more than once in the epoch (0 unless rows
+      were delivered twice);
+    - ``data/epoch_images_unseen``: train images none of whose pairs was trained: the rows
+      ``drop_last`` leaves (under a micro-batch per rank), unreadable images, and rows lost.
+    """
+
+    def __init__(self, train_images: int):
+        self.train_images = train_images
+        self.keys: list = []
+
+    def record(self, batch: dict) -> None:
+        import torch
+
+        self.keys.append(torch.stack([batch["group_ids"], batch["pair_slot"]], dim=1).cpu())
+
+    def metrics(self) -> dict[str, float]:
+        import torch
+
+        from pairsim import dist
+
+        keys = dist.all_gather(torch.cat(self.keys) if self.keys else torch.zeros((0, 2), dtype=torch.int64))
+        self.keys = []
+        pairs = torch.unique(keys, dim=0)
+        return {"data/epoch_pairs": float(len(keys)), "data/epoch_pairs_repeated": float(len(keys) - len(pairs)),
+                "data/epoch_images_unseen": float(self.train_images - len(torch.unique(pairs[:, 0])))}

@@ -40,13 +40,17 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
                 dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
     """One batch of ``ingest.eval_images`` (``pixels``) or ``ingest.eval_texts`` (``tokens``) through
     ``model`` (a RetrievalModel or the engine wrapping one): the ids that go with the rows and
-    every embedding the model gives, named as :class:`SplitEmbeddings` fields."""
+    every embedding the model gives, named as :class:`SplitEmbeddings` fields. Arrays Ray Data
+    hands over read-only (views of Arrow buffers) are copied: torch warns on each otherwise."""
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.require(array, requirements="W")).to(device)
+
     if "pixels" in batch:
         fields = {"image_ids": batch["image_id"], "labels": batch["label"]}
-        out = model(image=normalize(torch.from_numpy(batch["pixels"]).to(device), dtype))
+        out = model(image=normalize(tensor(batch["pixels"]), dtype))
     else:
         fields = {"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]}
-        out = model(text=torch.from_numpy(batch["tokens"]).to(device))
+        out = model(text=tensor(batch["tokens"]))
     return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
 
 

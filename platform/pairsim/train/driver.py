@@ -39,9 +39,14 @@ from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, trai
 logger = log.get_logger("train")
 
 
+def train_counts(cfg: RunConfig) -> dict[str, int]:
+    """The train split's counts in the manifest (images, captions, ...)."""
+    return shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
+
+
 def steps_per_epoch(cfg: RunConfig) -> int:
     """Optimizer steps in one epoch over the train split (the last partial global batch is dropped)."""
-    counts = shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
+    counts = train_counts(cfg)
     pairs = counts["captions"] if cfg.data.pairs_per_image == "all" else counts["images"] * cfg.data.pairs_per_image
     return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers * cfg.train.accumulate_steps)
 
@@ -275,7 +280,8 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
                                             startup=clock, run_dir=run_dir.uri,
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
                                                            for key in (trial.logged_params if trial else ())},
-                                            reset_temperatures=bool(trial and trial.reset_temperatures)))},
+                                            reset_temperatures=bool(trial and trial.reset_temperatures),
+                                            train_images=train_counts(cfg)["images"]))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(

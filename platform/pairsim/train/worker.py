@@ -48,6 +48,7 @@ class WorkerJob:
     run_dir: str  # where the run's checkpoints are (a path or URI): resumes pick from them
     logged_params: dict[str, float]  # logged with each epoch's val metrics (a PBT trial's hyperparameters)
     reset_temperatures: bool  # every τ to its configured init once the checkpoint is loaded
+    train_images: int  # in the train split (data.audit_epochs counts those trained)
 
 
 class StartupClock:
@@ -218,9 +219,13 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
                 local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
             timer = StepTimer(cfg.train.micro_batch_size * world * cfg.train.accumulate_steps)
+            audit = ingest.EpochAudit(job.train_images) if cfg.data.audit_epochs else None
             micro_batches = accumulation.groups(ingest.equal_steps(batches), cfg.train.accumulate_steps)
             for epoch_step, group in enumerate(micro_batches, start=1):
                 timer.batch_ready()
+                if audit:
+                    for batch in group:
+                        audit.record(batch)
                 first_of_attempt = epoch_step == 1 and epoch == start_epoch
                 if first_of_attempt:
                     clock.lap("first_batch")
@@ -252,6 +257,14 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                                     cfg.train.epochs, step, total, logged["train/loss"], lr, rate,
                                     progress_eta(total - step, timer.samples_per_step, rate))
 
+            if audit:
+                audited = audit.metrics()
+                if run:
+                    run.log_metrics(audited, step)
+                    (logger.warning if audited["data/epoch_pairs_repeated"] else logger.info)(
+                        "epoch %d trained %d pairs, %d of them more than once; %d train images unseen (under a "
+                        "micro-batch a rank is what drop_last leaves)", epoch + 1, audited["data/epoch_pairs"],
+                        audited["data/epoch_pairs_repeated"], audited["data/epoch_images_unseen"])
             metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
             card = None
             if run:
