@@ -32,7 +32,7 @@ from pairsim.cli import DEMO_CONFIG
 from pairsim.config import load_config
 from pairsim.data import synth
 from pairsim.train import driver
-from pairsim.train.local_ray import start_local_instance
+from pairsim.cluster import start_local_instance
 
 FLOOR = ("import torch, deepspeed, open_clip; from pairsim.config import load_config; from pairsim.cli import DEMO_CONFIG; "
          "from pairsim.models import retrieval; retrieval.create_retrieval_model(load_config(DEMO_CONFIG).model)")

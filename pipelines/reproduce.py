@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
-from pairsim import log
+from pairsim import cluster, log
 from pairsim.cli import DEMO_CONFIG, objective_config
 from pairsim.config import RunConfig, load_config
 from pairsim.data import synth
@@ -264,7 +264,7 @@ def main() -> None:
         base_key = f"base/{base.parent.name}"
         if base_key not in saved and args.stage != "report":
             base_cfg = load_config([DEMO_CONFIG], [f"data.path={data}"])
-            driver.init_ray(base_cfg)
+            cluster.init_ray(base_cfg)
             saved[base_key] = {"row": evaluate_base(base, base_cfg), "seconds": 0.0}
         results["base"] = [saved[base_key]["row"]] if base_key in saved else []
     # seed by seed, every objective at each: a table cut short compares like with like

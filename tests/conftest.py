@@ -137,8 +137,7 @@ def ray_instance(s3_env):
     filesystem pickles its endpoint, not credentials)."""
     import ray
 
-    from pairsim.train.driver import IDLE_WORKERS_KEPT
-    from pairsim.train.local_ray import start_local_instance
+    from pairsim.cluster import IDLE_WORKERS_KEPT, start_local_instance
 
     # idle worker processes kept as pairsim's own local instance keeps them (init_ray): a run's
     # decode tasks and a sweep's next trial find warm processes with torch already imported

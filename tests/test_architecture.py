@@ -2,6 +2,7 @@
 modules (function-level imports included), and no module reaches into another's private names."""
 
 import ast
+import graphlib
 import os
 import subprocess
 import sys
@@ -53,6 +54,19 @@ def test_no_import_cycles():
     cycles = {frozenset([a, b]) for a in graph.modules for b in graph.find_modules_directly_imported_by(a)
               if graph.find_shortest_chain(importer=b, imported=a)}
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(sorted(c)) for c in cycles)
+
+
+def test_no_import_cycles_between_pairsims_packages():
+    """Between packages either (pairsim.data, pairsim.train, pairsim.cluster, ...): starting Ray
+    sits below the data, training and evaluation that use it, and none of them reaches back up."""
+    graph = grimp.build_graph("pairsim", exclude_type_checking_imports=True)
+    package = lambda module: ".".join(module.split(".")[:2])  # noqa: E731
+    imports = {}
+    for module in graph.modules:
+        imports.setdefault(package(module), set()).update(
+            package(m) for m in graph.find_modules_directly_imported_by(module) if package(m) != package(module))
+    graphlib.TopologicalSorter(imports).prepare()  # raises CycleError naming a cycle
+    assert "pairsim.cluster" not in set().union(*(imports[p] for p in ("pairsim.config", "pairsim.storage")))
 
 
 def test_no_module_imports_another_modules_private_names():

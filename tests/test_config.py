@@ -7,7 +7,7 @@ import yaml
 import pairsim.cli
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import ConfigError, RunConfig, load_config
-from pairsim.train import driver
+from pairsim import cluster
 
 
 def write(tmp_path, tree):
@@ -75,7 +75,7 @@ def ray_never_starts(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("init_ray was reached: the config error came after Ray started")
 
-    monkeypatch.setattr(driver, "init_ray", reached)
+    monkeypatch.setattr(cluster, "init_ray", reached)
 
 
 def test_cli_reports_config_errors_before_ray_starts(tmp_path, capsys, ray_never_starts):

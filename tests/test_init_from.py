@@ -10,7 +10,8 @@ import torch
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import ConfigError, ModelConfig, load_config
 from pairsim.models import clip, retrieval
-from pairsim.train import checkpoints, driver
+from pairsim import cluster
+from pairsim.train import checkpoints
 
 
 def export(path, seed, heads=True, unimodal=False, arch="pairsim-tiny"):
@@ -114,7 +115,7 @@ def test_a_bad_init_from_stops_a_run_before_ray_starts(tmp_path, tiny_dataset, c
     def reached(*args, **kwargs):
         raise AssertionError("init_ray was reached: the init_from error came after Ray started")
 
-    monkeypatch.setattr(driver, "init_ray", reached)
+    monkeypatch.setattr(cluster, "init_ray", reached)
     export(tmp_path / "model.pt", seed=0)
     args = ["train", "--config", str(DEMO_CONFIG), "--set", f"data.path={tiny_dataset}", "--set", f"ray.storage_path={tmp_path}/ray",
             "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]

@@ -22,7 +22,7 @@ from conftest import unused_ports
 from pairsim.data import synth
 
 # ~8 min (a fresh head, two cold job starts): -m extended. In the CI suite, a `pairsim tune` driver
-# joins a running instance through RAY_ADDRESS as a submitted job does (pairsim.jobs.join_cluster,
+# joins a running instance through RAY_ADDRESS as a submitted job does (pairsim.cluster.join_cluster,
 # test_local_ray); shipping pairsim to a head without it is checked here only.
 pytestmark = [pytest.mark.slow, pytest.mark.extended]
 REPO = Path(__file__).parents[1]

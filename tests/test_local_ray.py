@@ -27,7 +27,7 @@ ORPHANED_RUN = textwrap.dedent("""
     from ray.train import ScalingConfig
     from ray.train.torch import TorchTrainer
     from pairsim.config import load_config
-    from pairsim.train.driver import init_ray
+    from pairsim.cluster import init_ray
 
     storage, started = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 
@@ -101,7 +101,7 @@ LISTENERS = textwrap.dedent("""
     import psutil, ray
     from test_local_ray import JOIN
     from pairsim.config import load_config
-    from pairsim.train.driver import init_ray
+    from pairsim.cluster import init_ray
 
     init_ray(load_config(None, ["train.num_workers=1", "ray.data_cpus=1", *sys.argv[1:]]))
     assert ray.get([ray.remote(lambda: 1).remote() for _ in range(2)]) == [1, 1]  # worker processes up
@@ -118,7 +118,7 @@ LISTENERS = textwrap.dedent("""
     assert joined.returncode == 0 and joined.stdout.strip() == "joined", joined.stderr[-3000:]
     print(json.dumps(sorted(listening)))
 """)
-JOIN = "import ray; from pairsim import jobs; jobs.join_cluster(None); print(ray.get(ray.remote(lambda: 'joined').remote()))"
+JOIN = "import ray; from pairsim import cluster; cluster.join_cluster(None); print(ray.get(ray.remote(lambda: 'joined').remote()))"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 

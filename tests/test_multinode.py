@@ -108,16 +108,11 @@ def cluster(tmp_path_factory, s3_env):
         for name, cpus in LAYOUT.items():  # one after the other
             cluster.join(name, cpus, deadline)
         yield cluster
-    finally:
+    finally:  # SIGKILL: nothing to keep, a node's state goes with its directory (SIGTERM took ~30 s)
         for node in reversed(cluster.nodes.values()):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, signal.SIGTERM)
-        for node in cluster.nodes.values():
-            try:
-                node.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # nothing to keep: a node's state goes with its directory
                 os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
+            node.wait()
         for temp_dir in cluster.temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 

@@ -129,7 +129,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     from pairsim.data import shards
     from pairsim.eval import inference, report, suite
     from pairsim.models import retrieval
-    from pairsim.train.driver import init_ray
+    from pairsim.cluster import init_ray
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
     if args.split not in shards.read_manifest(args.data)["splits"]:
@@ -204,8 +204,8 @@ def _demo(objective: str | None, overrides: list[str], sweep: bool) -> None:
 
 
 def _extract_teacher(cfg: RunConfig, args: argparse.Namespace) -> None:
+    from pairsim.cluster import init_ray
     from pairsim.teachers import encoders, store
-    from pairsim.train.driver import init_ray
 
     encoders.check_teachers(cfg)
     init_ray(cfg)
@@ -226,9 +226,9 @@ def _shards(args: argparse.Namespace) -> None:
         csv_caption_key=args.csv_caption_key,
         csv_separator=args.csv_separator and codecs.decode(args.csv_separator, "unicode_escape"))
     if args.ray_address:
-        from pairsim import jobs
+        from pairsim import cluster
 
-        jobs.join_cluster(args.ray_address)
+        cluster.join_cluster(args.ray_address)
     manifest = shards.build(cfg)
     print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c['images']:,} images / {c['captions']:,} captions in "
                                            f"{c['shards']} shards" for s, c in sorted(manifest["splits"].items()))

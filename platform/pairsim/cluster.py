@@ -1,19 +1,165 @@
-"""The Ray cluster a run places its work on: which nodes train and which feed them data.
+"""The Ray cluster pairsim runs on: starting or joining it, and which of its nodes train and
+which feed them data. Every command reaches Ray through here.
 
-A cluster labels its nodes by role (cluster.yaml's node types, or ``ray start --labels
-pairsim-role=train``): Ray Train's workers run on ``train`` nodes, Ray Data's read and decode
-tasks and actors on ``data`` nodes, both placed by Ray's label selectors. :func:`node_roles`
-reads the alive nodes' labels once, before a run starts; :func:`check_cpu_budget` refuses a
-run the nodes cannot hold, naming the knobs.
+- **Starting and joining**: :func:`init_ray` joins ``ray.address`` (or ``RAY_ADDRESS``, set
+  inside a ``ray job submit`` job) with pairsim shipped to its workers (:func:`join_cluster`),
+  else starts a local instance sized for the run, every port on loopback
+  (:func:`start_local_instance`); :func:`join` joins a local instance as written. What every
+  worker process of a local instance runs first is :func:`address_own_cluster`.
+- **Node roles**: a cluster labels its nodes by role (cluster.yaml's node types, or ``ray start
+  --labels pairsim-role=train``): Ray Train's workers run on ``train`` nodes, Ray Data's read and
+  decode tasks and actors on ``data`` nodes, both placed by Ray's label selectors.
+  :func:`node_roles` reads the alive nodes' labels once, before a run starts;
+  :func:`check_cpu_budget` refuses a run the nodes cannot hold, naming the knobs.
+
+This module imports only the standard library and ``ray`` (pairsim's config when it raises or
+reads one): the setup hook runs when a worker process starts, before Ray sets
+``OMP_NUM_THREADS`` for the task it will run, and a worker that imported torch there kept
+torch's default thread count (all cores) instead of its CPUs' (1 per CPU): oversubscribed cores
+and different float reductions (tested in ``tests/test_local_ray.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import socket
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
-from pairsim.config import ConfigError, NodeRolesConfig, RunConfig
+if TYPE_CHECKING:
+    from pairsim.config import NodeRolesConfig, RunConfig
+
+PACKAGE_DIR = Path(__file__).resolve().parent  # the pairsim package the driver runs
+
+
+def address_own_cluster() -> None:
+    """Every worker of a local instance sets ``RAY_ADDRESS`` to its own cluster's GCS.
+
+    The State API, which Train V2's ``PlacementGroupCleaner`` asks whether a run's controller is
+    still alive, otherwise finds its cluster by scanning the machine's GCS processes: with a
+    second local instance on the machine (a test suite beside a demo, two sweeps) it raised
+    "Found multiple active Ray instances" in the cleaner's thread, and the workers' placement
+    group of a trial stopped by ASHA was never freed, so the next trial waited for its CPUs
+    forever. A ``ray start`` cluster names itself in ``/tmp/ray/ray_current_cluster`` and a
+    submitted job has ``RAY_ADDRESS``: they need nothing."""
+    os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+
+
+# the runtime environment of pairsim's local instances (the tests' own instance uses it too)
+LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}"}
+
+
+@contextlib.contextmanager
+def _node_on_loopback() -> Iterator[None]:
+    """Within the block this machine's Ray address is 127.0.0.1: an instance started here takes
+    it as its node address, and a loopback address joined is not rewritten.
+
+    Each of Ray's servers binds to the node address — the metrics exporters (dashboard agent,
+    dashboard head, autoscaler monitor) to 0.0.0.0 unless it is loopback — and ``ray.init``
+    rewrites 127.0.0.1, in ``_node_ip_address`` or in the address it joins, to the machine's
+    LAN address. The switch with which Ray keeps a node on loopback on macOS and Windows
+    (``ray_constants.ENABLE_RAY_CLUSTER``) is turned off within the block only, so a later
+    ``ray.init(address=…)`` joining another machine's cluster still finds its own address."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def start_local_instance(listen_on_all_interfaces: bool = False, **init_kwargs) -> None:
+    """``ray.init(**init_kwargs)`` of a new instance on this machine with
+    :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``). Its dashboard,
+    metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
+    ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
+    init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | init_kwargs.get("runtime_env", {})
+    with contextlib.nullcontext() if listen_on_all_interfaces else _node_on_loopback():
+        ray.init(**init_kwargs)
+
+
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
+def answers_on_loopback_only(address: str) -> bool:
+    """Whether a GCS address (``host:port``) names this machine's loopback and the LAN address
+    does not answer on its port: a pairsim local instance, which ``ray.init`` would look for at
+    the LAN address (a ``ray start`` head, listening on every interface, answers there)."""
+    parts = urllib.parse.urlsplit(f"//{address}")
+    if "://" in address or parts.hostname not in LOOPBACK_HOSTS or parts.port is None:
+        return False
+    try:
+        socket.create_connection((ray.util.get_node_ip_address(), parts.port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def join(address: str | None, **init_kwargs) -> None:
+    """``ray.init(address=address, **init_kwargs)`` joining a running instance (None:
+    ``RAY_ADDRESS``). A local instance that listens on loopback only is joined as written:
+    Ray would rewrite 127.0.0.1 to the LAN address, where nothing listens."""
+    loopback = answers_on_loopback_only(address or os.environ.get("RAY_ADDRESS", ""))
+    with _node_on_loopback() if loopback else contextlib.nullcontext():
+        ray.init(address=address, **init_kwargs)
+
+
+def join_cluster(address: str | None, **init_kwargs) -> None:
+    """``ray.init`` joining ``address`` (None: ``RAY_ADDRESS``, set inside a job), with this
+    driver's pairsim package as a ``py_modules`` entry of the job's runtime environment: Ray
+    uploads it once and every worker of the job (Ray Train, Ray Data, Tune) imports it from
+    there, ahead of any pairsim installed on the node. Ray merges it with the runtime
+    environment the job was submitted with (``--working-dir``), which must not set
+    ``py_modules`` itself. A loopback address (a pairsim local instance) is joined as written
+    (:func:`join`)."""
+    join(address, runtime_env={"py_modules": [str(PACKAGE_DIR)]}, **init_kwargs)
+
+
+IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit
+
+
+def run_cpus(cfg: RunConfig) -> float:
+    """The CPUs one run takes: its training workers' plus ``ray.data_cpus`` for Ray Data."""
+    return cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus
+
+
+def starts_local_instance(cfg: RunConfig) -> bool:
+    """Whether a run starts its own Ray instance on this machine: no ``ray.address`` and no
+    ``RAY_ADDRESS`` (set inside a ``ray job submit`` job)."""
+    return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+
+
+def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
+    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
+    pairsim shipped to its workers (:func:`join_cluster`), else start a local
+    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each, listening on 127.0.0.1
+    unless ``ray.listen_on_all_interfaces`` (:func:`start_local_instance`).
+
+    Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
+    keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
+    instance keeps more idle worker processes than Ray's default (one per CPU, actors
+    included): otherwise the decode workers, which import torch and open_clip (~6 s), are
+    killed while the model is validated and every epoch starts cold (~9 s before its first
+    batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
+    ``RAY_num_workers_soft_limit``."""
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    if ray.is_initialized():
+        return
+    if not starts_local_instance(cfg):
+        join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
+    else:
+        cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
+        start_local_instance(cfg.ray.listen_on_all_interfaces, num_cpus=cpus, log_to_driver=log_to_driver,
+                             _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
 @dataclass(frozen=True)
@@ -45,6 +191,8 @@ def node_roles(roles: NodeRolesConfig, nodes: list[dict] | None = None) -> NodeR
     found = {value: cpus(value) for value in (roles.train, roles.data)}
     missing = [f"{roles.label}={value}" for value, count in found.items() if not count]
     if missing:
+        from pairsim.config import ConfigError
+
         seen = sorted({f"{roles.label}={n['Labels'][roles.label]}" for n in alive if roles.label in n.get("Labels", {})})
         raise ConfigError(f"ray.node_roles: no alive node with CPUs is labelled {' or '.join(missing)} (labelled: "
                           f"{', '.join(seen) or 'none'}); label them (ray start --labels …, cluster.yaml's node types), "
@@ -55,6 +203,8 @@ def node_roles(roles: NodeRolesConfig, nodes: list[dict] | None = None) -> NodeR
 def check_cpu_budget(cfg: RunConfig, roles: NodeRoles) -> None:
     """Refuse a run whose training workers do not fit their nodes, or would leave Ray Data no
     CPU for one task (it would wait forever for data), naming the knobs that fix it."""
+    from pairsim.config import ConfigError
+
     train_cpus = cfg.train.num_workers * cfg.train.cpus_per_worker
     need = f"train.num_workers × train.cpus_per_worker = {train_cpus:g}"
     if roles.shared:

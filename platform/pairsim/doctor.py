@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from pairsim import cluster as clusters
 from pairsim import storage as stores
 from pairsim.config import RunConfig
-from pairsim.train import driver
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def gpus(cfg: RunConfig) -> list[Finding]:
     """The GPUs this process sees, NCCL, and whether ``train.use_gpu`` / bf16 can run on them."""
     if not torch.cuda.is_available():
         return [Finding("GPUs", "none visible" + (": train.use_gpu=true cannot run on a local instance"
-                                                   if cfg.train.use_gpu and driver.starts_local_instance(cfg) else ""),
-                        blocking=cfg.train.use_gpu and driver.starts_local_instance(cfg))]
+                                                   if cfg.train.use_gpu and clusters.starts_local_instance(cfg) else ""),
+                        blocking=cfg.train.use_gpu and clusters.starts_local_instance(cfg))]
     found = []
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
@@ -64,7 +64,7 @@ def gpus(cfg: RunConfig) -> list[Finding]:
                          "not supported" + (": train.precision=bf16 cannot run; use fp16 or fp32" if no_bf16 else ""),
                          blocking=no_bf16))
     wanted = cfg.train.num_workers * cfg.train.gpus_per_worker
-    short = cfg.train.use_gpu and driver.starts_local_instance(cfg) and wanted > torch.cuda.device_count()
+    short = cfg.train.use_gpu and clusters.starts_local_instance(cfg) and wanted > torch.cuda.device_count()
     if short:
         found.append(Finding("train.num_workers", f"{cfg.train.num_workers} workers × {cfg.train.gpus_per_worker:g} "
                                                   f"GPUs need {wanted:g}; {torch.cuda.device_count()} visible",
@@ -95,18 +95,16 @@ def compiler(cfg: RunConfig) -> list[Finding]:
 def cluster(cfg: RunConfig) -> list[Finding]:
     """The resources a run gets: the named cluster's (joined, not started), or what a local
     instance would start with."""
-    need = driver.run_cpus(cfg)
+    need = clusters.run_cpus(cfg)
     gpus_needed = cfg.train.num_workers * cfg.train.gpus_per_worker if cfg.train.use_gpu else 0
     plan = (f"one run takes {need:g} CPUs ({cfg.train.num_workers} workers × {cfg.train.cpus_per_worker:g} + "
             f"ray.data_cpus {cfg.ray.data_cpus:g})" + (f" and {gpus_needed:g} GPUs, NCCL" if gpus_needed else ""))
-    if driver.starts_local_instance(cfg):
+    if clusters.starts_local_instance(cfg):
         return [Finding("Ray", f"a local instance of {need:g} logical CPUs on this machine's {os.cpu_count()} cores; "
                                + plan)]
     import ray
 
-    from pairsim.train import local_ray
-
-    local_ray.join(cfg.ray.address, log_to_driver=False)
+    clusters.join(cfg.ray.address, log_to_driver=False)
     try:
         resources = ray.cluster_resources()
     finally:

@@ -1,9 +1,9 @@
-"""What a pairsim job needs on a Ray cluster (``ray job submit``): pairsim shipped to every
-worker in the job's ``runtime_env``, so no node needs it installed, and ``ray job stop`` (SIGTERM
-to the driver) turned into an exception that unwinds the run, which then ends KILLED in MLflow.
+"""How a pairsim job stops: ``ray job stop`` (SIGTERM to the driver) turned into an exception
+that unwinds the run, which then ends KILLED in MLflow. (Joining the cluster with pairsim
+shipped to its workers is :func:`pairsim.cluster.join_cluster`.)
 
-This module imports only the standard library (Ray when it joins a cluster): the command line
-imports it before it knows the command.
+This module imports only the standard library: the command line imports it before it knows the
+command.
 """
 
 from __future__ import annotations
@@ -12,23 +12,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
-
-PACKAGE_DIR = Path(__file__).resolve().parent  # the pairsim package the driver runs
-
-
-def join_cluster(address: str | None, **init_kwargs) -> None:
-    """``ray.init`` joining ``address`` (None: ``RAY_ADDRESS``, set inside a job), with this
-    driver's pairsim package as a ``py_modules`` entry of the job's runtime environment: Ray
-    uploads it once and every worker of the job (Ray Train, Ray Data, Tune) imports it from
-    there, ahead of any pairsim installed on the node. Ray merges it with the runtime
-    environment the job was submitted with (``--working-dir``), which must not set
-    ``py_modules`` itself. A loopback address (a pairsim local instance) is joined as written
-    (:func:`pairsim.train.local_ray.join`)."""
-    from pairsim.train import local_ray
-
-    local_ray.join(address, runtime_env={"py_modules": [str(PACKAGE_DIR)]}, **init_kwargs)
 
 
 class JobStopped(KeyboardInterrupt):

@@ -429,8 +429,7 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
     """
     import ray
 
-    from pairsim import jobs
-    from pairsim.train.local_ray import start_local_instance
+    from pairsim import cluster
 
     try:
         options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
@@ -469,9 +468,9 @@ def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
                disable=not progress)
     if pending:
         if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):  # inside a job: its cluster
-            jobs.join_cluster(None)
+            cluster.join_cluster(None)
         elif not ray.is_initialized():
-            start_local_instance()
+            cluster.start_local_instance()
         ray.data.DataContext.get_current().enable_progress_bars = False
         tasks = ray.data.from_items(pending, override_num_blocks=len(pending)).map(
             BuildShard(out, cfg.max_side, cfg.jpeg_quality), num_cpus=1)

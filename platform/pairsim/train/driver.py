@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import os
 import pickle
 import tempfile
 from dataclasses import dataclass, field
@@ -33,7 +31,6 @@ from pairsim.teachers import encoders as teachers
 from pairsim.teachers.store import TeacherStore, teacher_sources
 from pairsim.train import checkpoints, engine
 from pairsim.train.callbacks import TrialReporter
-from pairsim.train.local_ray import start_local_instance
 from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, train_loop_per_worker
 
 logger = log.get_logger("train")
@@ -139,7 +136,7 @@ def check_ready(cfg: RunConfig) -> None:
     as they are: :func:`fit` makes them absolute against the working directory first."""
     if not storage.is_uri(cfg.ray.storage_path) and (problem := storage.local_storage_problem(Path(cfg.ray.storage_path).resolve())):
         raise ConfigError(f"ray.storage_path: {problem}")
-    if cfg.optim.impl == "deepspeed" and starts_local_instance(cfg):
+    if cfg.optim.impl == "deepspeed" and cluster.starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
     clip.check_model_config(cfg.model)
@@ -171,44 +168,6 @@ def check_ready(cfg: RunConfig) -> None:
             f"{cfg.train.accumulate_steps} accumulated is larger than the {cfg.data.train_split} split of {cfg.data.path}")
     if cfg.train.deepspeed:
         engine.check_deepspeed_config(engine.deepspeed_config(cfg.train, cfg.optim, steps_per_epoch(cfg)))
-
-
-IDLE_WORKERS_KEPT = 8  # beyond one per CPU: Ray counts Train's and Data's actors against the limit
-
-
-def run_cpus(cfg: RunConfig) -> float:
-    """The CPUs one run takes: its training workers' plus ``ray.data_cpus`` for Ray Data."""
-    return cfg.train.num_workers * cfg.train.cpus_per_worker + cfg.ray.data_cpus
-
-
-def starts_local_instance(cfg: RunConfig) -> bool:
-    """Whether a run starts its own Ray instance on this machine: no ``ray.address`` and no
-    ``RAY_ADDRESS`` (set inside a ``ray job submit`` job)."""
-    return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-
-
-def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
-    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
-    pairsim shipped to its workers (:func:`pairsim.jobs.join_cluster`), else start a local
-    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each, listening on 127.0.0.1
-    unless ``ray.listen_on_all_interfaces`` (:func:`pairsim.train.local_ray.start_local_instance`).
-
-    Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
-    keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
-    instance keeps more idle worker processes than Ray's default (one per CPU, actors
-    included): otherwise the decode workers, which import torch and open_clip (~6 s), are
-    killed while the model is validated and every epoch starts cold (~9 s before its first
-    batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
-    ``RAY_num_workers_soft_limit``."""
-    ray.data.DataContext.get_current().enable_progress_bars = False
-    if ray.is_initialized():
-        return
-    if not starts_local_instance(cfg):
-        jobs.join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
-    else:
-        cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
-        start_local_instance(cfg.ray.listen_on_all_interfaces, num_cpus=cpus, log_to_driver=log_to_driver,
-                             _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
 @dataclass(frozen=True)
@@ -244,7 +203,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     per_epoch = steps_per_epoch(cfg)
     ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
-    init_ray(cfg)
+    cluster.init_ray(cfg)
     roles = cluster.node_roles(cfg.ray.node_roles)
     cluster.check_cpu_budget(cfg, roles)
     ingest.start_ingest_workers(cfg, roles)

@@ -36,7 +36,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
-from pairsim import jobs, log, tracking
+from pairsim import cluster, jobs, log, tracking
 from pairsim.config import ConfigError
 from pairsim.train import driver
 from pairsim.tune import results
@@ -244,7 +244,7 @@ def total_trials(sweep: Sweep) -> int:
 def trial_resources(sweep: Sweep) -> dict[str, float]:
     """What one trial reserves: its workers' CPUs (and GPUs) plus its Ray Data share."""
     train = sweep.base.train
-    return {"CPU": driver.run_cpus(sweep.base), "GPU": train.num_workers * train.gpus_per_worker * train.use_gpu}
+    return {"CPU": cluster.run_cpus(sweep.base), "GPU": train.num_workers * train.gpus_per_worker * train.use_gpu}
 
 
 def concurrency(sweep: Sweep) -> int:
@@ -349,7 +349,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
         driver.check_ready(sweep.trial_config(point))
 
     tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
-    driver.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
+    cluster.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
                     log_to_driver=sweep.settings.verbose_trials)
     trials_at_once = concurrency(sweep)
     parent_run_id, reopened = tracking.open_sweep_run(
