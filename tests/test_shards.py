@@ -172,18 +172,19 @@ def _name(row, fmt) -> str:
 def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, ray_instance, tmp_path):
     cfg, manifest = _build(fmt, tmp_path)
     out = cfg.out
-    rows = [row for split in manifest["splits"] for row in _rows(out, split)]
+    rows = [row for split in manifest.splits for row in _rows(out, split)]
     # manifest counts are the shards' own
-    for split, counts in manifest["splits"].items():
+    for split, counts in manifest.splits.items():
         split_rows = _rows(out, split)
-        assert counts["images"] == len(split_rows)
-        assert counts["captions"] == sum(len(r["captions"]) for r in split_rows)
-        assert counts["shards"] == len(shards.split_files(out, split))
-        assert counts["content_hash"] == shards.split_content_hash(out, split)  # the files', not the markers'
-        assert counts["source"] == f"{fmt}:{cfg.input.name}"
-    assert manifest["content_hash"] == shards.content_hash(manifest["splits"])
+        assert counts.images == len(split_rows)
+        assert counts.captions == sum(len(r["captions"]) for r in split_rows)
+        assert counts.shards == len(shards.split_files(out, split))
+        assert counts.content_hash == shards.split_content_hash(out, split)  # the files', not the markers'
+        assert counts.source == f"{fmt}:{cfg.input.name}"
+    assert manifest.content_hash == shards.content_hash({s: c.content_hash for s, c in manifest.splits.items()})
+    assert shards.read_manifest(out) == manifest  # what was written reads back the same
     if fmt == "karpathy":  # restval is train; val kept apart
-        assert sorted(manifest["splits"]) == ["train", "val"]
+        assert sorted(manifest.splits) == ["train", "val"]
 
     expected = {n: want for n, (_, want) in messy_images().items()}
     stored = {_name(row, fmt): row for row in rows}
@@ -205,8 +206,8 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
         assert all(c.strip() == c and c for c in stored[name]["captions"])
 
     rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text(encoding="utf-8").splitlines()]
-    assert manifest["rejected"] == len(rejects)
-    assert all(r["source"] and r["reason"] and set(r["split"].split(",")) <= set(manifest["splits"]) for r in rejects)
+    assert manifest.rejected == len(rejects)
+    assert all(r["source"] and r["reason"] and set(r["split"].split(",")) <= set(manifest.splits) for r in rejects)
     image_reasons = {r["reason"] for r in rejects if r["kind"] == "image"}
     assert set(BAD.values()) <= image_reasons
     if fmt != "webdataset":
@@ -216,13 +217,13 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
     if fmt in ("karpathy", "webdataset"):
         dups = [r for r in rejects if r["reason"] == "duplicate image id"]
         assert len(dups) == 1 and "first seen at" in dups[0]["detail"]
-        assert sum(c["duplicate_image_ids"] for c in manifest["splits"].values()) == 1
+        assert sum(c.duplicate_image_ids for c in manifest.splits.values()) == 1
     if fmt == "csv":
-        assert CP1252 in stored["gray.png"]["captions"] and manifest["splits"]["train"]["captions_recoded"] == 1
+        assert CP1252 in stored["gray.png"]["captions"] and manifest.split("train").captions_recoded == 1
     if fmt == "folder":
         assert CP1252 in stored["rgb.png"]["captions"] and "one more for gray" in stored["gray.png"]["captions"]
     if fmt == "webdataset":
-        assert stored["latin"]["captions"] == [CP1252] and manifest["splits"]["train"]["captions_recoded"] == 1
+        assert stored["latin"]["captions"] == [CP1252] and manifest.split("train").captions_recoded == 1
         assert stored["onlyjson"]["captions"] == ["caption from the json"]
         assert {"no image file", "no valid caption"} <= image_reasons
 
@@ -295,7 +296,7 @@ def test_a_killed_build_resumes_to_the_same_output(tmp_path):
 def test_inspect_reports_counts_and_draws_a_contact_sheet(ray_instance, tmp_path):
     cfg, manifest = _build("folder", tmp_path)
     report = shards.inspect(cfg.out, samples=3, sheet=tmp_path / "sheet.png")
-    assert f"{manifest['splits']['train']['images']:>9,} images" in report
+    assert f"{manifest.split('train').images:>9,} images" in report
     assert "captions: list<element: string>" in report or "captions: list<item: string>" in report
     assert "mostly" in report and "corrupt image" in report
     assert report.count("a picture called") == 3
@@ -333,22 +334,23 @@ def test_train_and_val_from_two_csvs_share_a_directory_and_leave_each_other_alon
     first = build(train_csv, "train")
     train_files = _tree(out / "train")
     both = build(val_csv, "val")
-    assert sorted(both["splits"]) == ["train", "val"] and both["splits"]["train"] == first["splits"]["train"]
+    assert sorted(both.splits) == ["train", "val"] and both.split("train") == first.split("train")
     assert _tree(out / "train") == train_files  # not rebuilt, not removed
-    assert both["splits"]["val"]["images"] == 4 and both["splits"]["val"]["source"] == "csv:val.csv"
-    assert both["content_hash"] == shards.content_hash(both["splits"]) != first["content_hash"]
+    assert both.split("val").images == 4 and both.split("val").source == "csv:val.csv"
+    assert both.content_hash == shards.content_hash({s: c.content_hash for s, c in both.splits.items()}) \
+        != first.content_hash
     rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text().splitlines()]
     assert [(r["split"], r["reason"]) for r in rejects] == [("train", "missing file")]  # train's kept
-    assert both["rejected"] == 1
+    assert both.rejected == 1
 
     again = build(_csv(tmp_path / "val2.csv", {n: images[n] for n in names[8:10]}), "val")  # replaces val only
-    assert again["splits"]["val"]["images"] == 2 and len(shards.split_files(out, "val")) == 1
-    assert again["splits"]["train"] == first["splits"]["train"] and _tree(out / "train") == train_files
+    assert again.split("val").images == 2 and len(shards.split_files(out, "val")) == 1
+    assert again.split("train") == first.split("train") and _tree(out / "train") == train_files
 
     with pytest.raises(shards.BuildError, match="rejected"):  # a failed val build: train stays usable
         build(_csv(tmp_path / "bad.csv", {"nope.png": ["x"], names[9]: ["y"]}), "val", max_reject_share=0.1)
-    assert sorted(shards.read_manifest(out)["splits"]) == ["train"]
-    assert len(shards.split_files(out, "train")) == first["splits"]["train"]["shards"]
+    assert sorted(shards.read_manifest(out).splits) == ["train"]
+    assert len(shards.split_files(out, "train")) == first.split("train").shards
 
 
 def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_instance, tmp_path):
@@ -360,10 +362,10 @@ def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_in
     def build(out, seed):
         manifest = shards.build(BuildConfig(format="csv", input=csv_path, out=out, val_share=0.25, val_seed=seed),
                                 progress=False)
-        return manifest, {split: {r["image_id"]: r["captions"] for r in _rows(out, split)} for split in manifest["splits"]}
+        return manifest, {split: {r["image_id"]: r["captions"] for r in _rows(out, split)} for split in manifest.splits}
 
     manifest, rows = build(tmp_path / "a", 0)
-    assert sorted(manifest["splits"]) == ["train", "val"]
+    assert sorted(manifest.splits) == ["train", "val"]
     assert not rows["train"].keys() & rows["val"].keys()
     assert {**rows["train"], **rows["val"]} == {f"imgs/{n}": caps for n, caps in images.items()}
     assert 3 <= len(rows["val"]) <= 18  # 10 expected of 40
@@ -384,7 +386,7 @@ def test_a_split_name_cannot_leave_the_output(split, ray_instance, tmp_path):
     out = tmp_path / "deep" / "out"
     manifest = shards.build(BuildConfig(format="karpathy", input=path, images_root=images_root, out=out,
                                         max_reject_share=0.5), progress=False)
-    assert split not in manifest["splits"]
+    assert split not in manifest.splits
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["out"] and not (tmp_path / "escaped").exists()
     rejects = [json.loads(line) for line in (out / shards.REJECTS).read_text().splitlines()]
     assert any(r["reason"] == "bad split name" and repr(split) in r["detail"] for r in rejects)
@@ -506,4 +508,31 @@ def test_a_truncated_or_foreign_shard_is_named_before_training(tmp_path):
         driver.check_ready(cfg)
     train[1].write_bytes(next((tmp_path / "d" / "val").glob("*.parquet")).read_bytes())  # 8 rows where 10 were
     with pytest.raises(ConfigError, match=r"data.path: .*/train: the shards hold 38 images, the manifest lists 40"):
+        driver.check_ready(cfg)
+
+
+@pytest.mark.parametrize("damage", ["not json", "a field missing", "a count that is text"])
+def test_a_damaged_manifest_is_named_before_training(damage, tmp_path):
+    """A manifest that is not JSON, or lacks or mistypes a field, fails the pre-launch check
+    naming the file and the field, not as a KeyError somewhere later."""
+    from pairsim.config import load_config
+    from pairsim.data import synth
+    from pairsim.train import driver
+
+    synth.generate(tmp_path / "d", num_train=12, num_val=4, num_test=0, progress=False)
+    path = tmp_path / "d" / shards.MANIFEST
+    manifest = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text(path.read_text()[:40])
+        field = "file: Invalid JSON"
+    elif damage == "a field missing":
+        del manifest["splits"]["train"]["images"]
+        path.write_text(json.dumps(manifest))
+        field = "splits.train.images: Field required"
+    else:
+        manifest["splits"]["val"]["shards"] = "one"
+        path.write_text(json.dumps(manifest))
+        field = "splits.val.shards: Input should be a valid integer"
+    cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
+    with pytest.raises(ConfigError, match=rf"data.path: {path}: not a pairsim manifest \({field}"):
         driver.check_ready(cfg)

@@ -195,7 +195,7 @@ def test_shards_built_into_a_bucket_equal_a_local_build(ray_instance, bucket, tm
     options = dict(format="folder", input=source, rows_per_shard=5, val_share=0.25, max_reject_share=0.5)
     local = shards.build(BuildConfig(out=tmp_path / "local", **options), progress=False)
     remote = shards.build(BuildConfig(out=f"{bucket}/data", **options), progress=False)
-    assert remote == local and remote["rejected"] == 1
+    assert remote == local and remote.rejected == 1
     assert _tree(download(Location.of(f"{bucket}/data"), tmp_path / "copy")) == _tree(tmp_path / "local")
     assert shards.split_files(f"{bucket}/data", "train")[0].startswith(f"{bucket}/data/train/part-")
     assert shards.read_rows(f"{bucket}/data", "val", ["003", "001", "002", "000"]) == \

@@ -17,10 +17,10 @@ def test_same_seed_gives_the_same_bytes(tmp_path):
     assert files_a == files_b and len(files_a) == 5
     for rel in files_a:
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
-    assert a["content_hash"] == b["content_hash"]
+    assert a.content_hash == b.content_hash
     c = synth.generate(tmp_path / "c", num_train=60, num_val=10, num_test=10, rows_per_shard=25, seed=1,
                        progress=False)
-    assert c["content_hash"] != a["content_hash"]
+    assert c.content_hash != a.content_hash
 
 
 def test_schema_and_counts_match_the_manifest(tmp_path):
@@ -30,7 +30,7 @@ def test_schema_and_counts_match_the_manifest(tmp_path):
     assert {k: manifest["splits"]["train"][k] for k in ("images", "captions", "shards")} == \
         {"images": 30, "captions": 150, "shards": 4}
     assert all(c["content_hash"] == shards.split_content_hash(tmp_path, s) for s, c in manifest["splits"].items())
-    assert manifest["content_hash"] == shards.content_hash(manifest["splits"])
+    assert manifest["content_hash"] == shards.content_hash({s: c["content_hash"] for s, c in manifest["splits"].items()})
     for split, counts in manifest["splits"].items():
         files = shards.split_files(tmp_path, split)
         assert len(files) == counts["shards"]
@@ -62,16 +62,16 @@ def test_ensure_generates_once_and_then_keeps_what_is_there(tmp_path):
     out = synth.ensure(tmp_path / "shapes", num_train=8, num_val=4, num_test=0, progress=False)
     manifest = out / "manifest.json"
     first = manifest.stat().st_mtime_ns
-    assert shards.read_manifest(out)["splits"]["train"]["images"] == 8
+    assert shards.read_manifest(out).split("train").images == 8
     synth.ensure(out, num_train=99, num_val=4, num_test=0, progress=False)  # other sizes: left alone
-    assert manifest.stat().st_mtime_ns == first and shards.read_manifest(out)["splits"]["train"]["images"] == 8
+    assert manifest.stat().st_mtime_ns == first and shards.read_manifest(out).split("train").images == 8
 
 
 def test_object_labels_name_every_object_and_nothing_else(tmp_path):
     plain = synth.generate(tmp_path / "plain", num_train=30, num_val=0, num_test=0, progress=False)
     labels = synth.generate(tmp_path / "labels", num_train=30, num_val=0, num_test=0, progress=False,
                             captions="object_labels")
-    assert labels["generator"]["captions"] == "object_labels" and "captions" not in plain["generator"]
+    assert labels.generator["captions"] == "object_labels" and "captions" not in plain.generator
     scene_rows = shards.read_table(shards.split_shards(tmp_path / "plain", "train")).to_pylist()
     label_rows = shards.read_table(shards.split_shards(tmp_path / "labels", "train")).to_pylist()
     for scene, labelled in zip(scene_rows, label_rows):
@@ -112,8 +112,8 @@ def scene_words(caption):
 def test_hard_split_is_families_differing_in_one_attribute(tmp_path):
     manifest = synth.generate(tmp_path, num_train=8, num_val=10, num_test=0, progress=False, hard_negatives=("val",),
                               seed=3)
-    assert manifest["splits"]["val"]["images"] == 10  # two families and a half: the last one cut
-    assert manifest["generator"]["hard_negatives"] == {"splits": ["val"], "family": ["base", "colour", "shape", "relation"],
+    assert manifest.split("val").images == 10  # two families and a half: the last one cut
+    assert manifest.generator["hard_negatives"] == {"splits": ["val"], "family": ["base", "colour", "shape", "relation"],
                                                        "version": synth.FAMILIES_VERSION}
     rows = shards.read_table(shards.split_shards(tmp_path, "val")).to_pylist()
     assert [r["source"].split("/", 2)[2] for r in rows[:5]] == [

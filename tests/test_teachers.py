@@ -39,7 +39,7 @@ def test_features_of_other_data_or_teachers_are_refused(tiny_dataset, tmp_path):
         driver.check_ready(cfg)
     from pairsim.data import shards
 
-    manifest["data_content_hash"] = shards.read_manifest(tiny_dataset)["content_hash"]
+    manifest["data_content_hash"] = shards.read_manifest(tiny_dataset).content_hash
     manifest["teachers"]["text"]["max_length"] = 99
     (tmp_path / store.STORE_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"loss\.cusa\.text_teacher: .* differs from the teacher"):

@@ -69,16 +69,16 @@ def new_run(uri: str) -> tuple[MlflowClient, str]:
 def test_datasets_are_logged_with_the_manifests_content_hashes(store, tiny_dataset):
     client, run_id = new_run(store)
     tracking.log_datasets(store, run_id, load_config(None, [f"data.path={tiny_dataset}"]).data)
-    splits = shards.read_manifest(tiny_dataset)["splits"]
+    splits = shards.read_manifest(tiny_dataset).splits
     logged = {i.tags[0].value: i.dataset for i in client.get_run(run_id).inputs.dataset_inputs}
     assert set(logged) == {"training", "validation", "testing"}
     for context, split in (("training", "train"), ("validation", "val"), ("testing", "test")):
         dataset = logged[context]
         assert dataset.name == f"{tiny_dataset.name}/{split}"
-        assert splits[split]["content_hash"].startswith(dataset.digest) and len(dataset.digest) == 36
+        assert splits[split].content_hash.startswith(dataset.digest) and len(dataset.digest) == 36
         assert json.loads(dataset.source) == {"uri": str(tiny_dataset.resolve())}
-        assert json.loads(dataset.profile) == {"split": split, "content_hash": splits[split]["content_hash"]} | {
-            k: splits[split][k] for k in ("images", "captions", "shards")}
+        assert json.loads(dataset.profile) == {"split": split, "content_hash": splits[split].content_hash} | {
+            k: getattr(splits[split], k) for k in ("images", "captions", "shards")}
 
 
 @pytest.mark.parametrize("test_split, test", [("held", True), ("test", False)])

@@ -336,7 +336,7 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
     shards.build(BuildConfig(format="csv", input=csv, out=data, val_share=0.2), progress=False)
     built = shards.build(BuildConfig(format="webdataset", input=tmp_path / "test.tar", out=data, split="test"),
                          progress=False)
-    assert {s: c["images"] == c["captions"] for s, c in built["splits"].items()} == {
+    assert {s: c.images == c.captions for s, c in built.splits.items()} == {
         "train": True, "val": True, "test": True}
 
     result = driver.fit(load_config(DEMO_CONFIG, overrides(data, tmp_path, "data.pairs_per_image=all",

@@ -132,7 +132,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     from pairsim.cluster import init_ray
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
-    if args.split not in shards.read_manifest(args.data)["splits"]:
+    if args.split not in shards.read_manifest(args.data).splits:
         raise ConfigError(f"--split: {args.data} has no split {args.split!r}")
     with tempfile.TemporaryDirectory() as tmp:
         model, card = retrieval.load_exported(_model_source(args, tracking_uri, Path(tmp) / "model.pt")[0])
@@ -230,9 +230,9 @@ def _shards(args: argparse.Namespace) -> None:
 
         cluster.join_cluster(args.ray_address)
     manifest = shards.build(cfg)
-    print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c['images']:,} images / {c['captions']:,} captions in "
-                                           f"{c['shards']} shards" for s, c in sorted(manifest["splits"].items()))
-          + f"; {manifest['rejected']} rejected (listed in {storage.Location.of(cfg.out) / shards.REJECTS})")
+    print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c.images:,} images / {c.captions:,} captions in "
+                                           f"{c.shards} shards" for s, c in sorted(manifest.splits.items()))
+          + f"; {manifest.rejected} rejected (listed in {storage.Location.of(cfg.out) / shards.REJECTS})")
 
 
 def add_shards_parser(sub) -> None:
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                       num_test=args.num_test, image_size=args.image_size, seed=args.seed,
                                       rows_per_shard=args.rows_per_shard, hard_negatives=args.hard_negatives,
                                       captions=args.captions)
-            print(f"wrote {args.out}: " + ", ".join(f"{s} {c['images']} images" for s, c in manifest["splits"].items()))
+            print(f"wrote {args.out}: " + ", ".join(f"{s} {c.images} images" for s, c in manifest.splits.items()))
     except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM

@@ -225,11 +225,11 @@ class ShardSplit(Dataset):
     holds it whole, with the split's counts)."""
 
     def __init__(self, root: Path, split: str):
-        counts = shards.read_manifest(root)["splits"][split]
-        self._profile = {"split": split, "content_hash": counts["content_hash"]} | {
-            k: counts[k] for k in ("images", "captions", "shards")}
+        counts = shards.read_manifest(root).split(split)
+        self._profile = {"split": split, "content_hash": counts.content_hash, "images": counts.images,
+                         "captions": counts.captions, "shards": counts.shards}
         super().__init__(dataset_source(root), name=f"{storage.Location.of(root).name}/{split}",
-                         digest=counts["content_hash"][:MAX_DATASET_DIGEST_SIZE])
+                         digest=counts.content_hash[:MAX_DATASET_DIGEST_SIZE])
 
     def _compute_digest(self) -> str:  # the digest is always given
         raise NotImplementedError
@@ -250,7 +250,7 @@ def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = 
     """The train and val splits and, with ``test`` when the data has it, the test split as the
     run's MLflow dataset inputs, each with its context (``training``, ``validation``, ``testing``)."""
     splits = {"training": data.train_split, "validation": data.val_split}
-    if test and data.test_split in shards.read_manifest(data.split_path(data.test_split))["splits"]:
+    if test and data.test_split in shards.read_manifest(data.split_path(data.test_split)).splits:
         splits["testing"] = data.test_split
     MlflowClient(tracking_uri).log_inputs(run_id, [
         DatasetInput(ShardSplit(data.split_path(split), split)._to_mlflow_entity(),

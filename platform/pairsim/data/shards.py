@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
 from pairsim.data import sources
@@ -115,73 +116,110 @@ def split_content_hash(root: LocationLike, split: str, digests: dict[str, str] |
     return digest.hexdigest()
 
 
-def content_hash(splits: dict[str, dict[str, Any]]) -> str:
+def content_hash(split_hashes: dict[str, str]) -> str:
     """The dataset's hash: SHA-256 over each split's name and content hash, in sorted order."""
     digest = hashlib.sha256()
-    for split in sorted(splits):
-        digest.update(f"{split}:{splits[split]['content_hash']}".encode())
+    for split in sorted(split_hashes):
+        digest.update(f"{split}:{split_hashes[split]}".encode())
     return digest.hexdigest()
 
 
-def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any]], rejected: int | None = None,
-                   digests: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+class ShardError(OSError):
+    """A shard or manifest that is not what it should be: unreadable, or holding other rows."""
+
+
+class SplitInfo(BaseModel):
+    """One split in ``manifest.json``: its counts and content hash. What a builder adds
+    (``captions_recoded``, ``duplicate_image_ids``, its ``build`` options) rides along as extra
+    fields."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    images: int
+    captions: int
+    shards: int
+    content_hash: str
+    rejected: int = 0
+    source: str = ""
+
+
+class Manifest(BaseModel):
+    """A dataset's ``manifest.json``, typed: ``manifest.split("val").images``. A generator's
+    settings (``generator``) ride along as an extra field."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    schema_version: int
+    source: str
+    splits: dict[str, SplitInfo]
+    rejected: int
+    content_hash: str
+
+    def split(self, name: str) -> SplitInfo:
+        """The split ``name``; FileNotFoundError naming the splits there are."""
+        if name not in self.splits:
+            raise FileNotFoundError(f"split {name!r} not in the manifest (it has {', '.join(sorted(self.splits))})")
+        return self.splits[name]
+
+
+def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any] | SplitInfo],
+                   rejected: int | None = None, digests: dict[str, str] | None = None, **extra: Any) -> Manifest:
     """``manifest.json`` over ``splits`` (name → images, captions, shards, and optionally
     content_hash, rejected, source, build); a split's missing content hash is computed from
     its files; ``rejected`` (default: the splits' sum) is the lines of ``rejects.jsonl``.
     Written atomically: a reader sees the old manifest or the new one."""
     root = Location.of(root)
-    splits = {name: {"rejected": 0, "source": source} | counts
-              | {"content_hash": counts.get("content_hash") or split_content_hash(root, name, digests)}
+    splits = {name: {"rejected": 0, "source": source} | dict(counts)
+              | {"content_hash": dict(counts).get("content_hash") or split_content_hash(root, name, digests)}
               for name, counts in splits.items()}
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "source": ", ".join(sorted({c["source"] for c in splits.values()})) or source,
         "splits": splits,
         "rejected": sum(c["rejected"] for c in splits.values()) if rejected is None else rejected,
-        "content_hash": content_hash(splits),
+        "content_hash": content_hash({name: counts["content_hash"] for name, counts in splits.items()}),
         **extra,
     }
     (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return manifest
+    return Manifest.model_validate(manifest)
 
 
-def read_manifest(root: LocationLike) -> dict[str, Any]:
+def read_manifest(root: LocationLike) -> Manifest:
+    """``root``'s manifest; FileNotFoundError when there is none, :class:`ShardError` naming the
+    file when it is not one."""
     path = Location.of(root) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
             f"no dataset at {root}: {path} is missing (make one with `pairsim shards build … --out {root}`, "
             f"or the shapes data with `pairsim data synth --out {root}`)"
         )
-    return json.loads(path.read_text())
+    try:
+        return Manifest.model_validate_json(path.read_text())
+    except (ValidationError, UnicodeDecodeError) as exc:
+        problems = (f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors()) \
+            if isinstance(exc, ValidationError) else [str(exc)]
+        raise ShardError(f"{path}: not a pairsim manifest ({'; '.join(problems)}); rebuild the dataset") from None
 
 
 def split_shards(root: LocationLike, split: str) -> list[Location]:
     """The shard files of one split, checked against the manifest."""
     root = Location.of(root)
     manifest = read_manifest(root)
-    if split not in manifest["splits"]:
-        raise FileNotFoundError(
-            f"{root}: split {split!r} not in manifest (has {sorted(manifest['splits'])})"
-        )
+    if split not in manifest.splits:
+        raise FileNotFoundError(f"{root}: split {split!r} not in manifest (has {sorted(manifest.splits)})")
     files = (root / split).files(".parquet")
-    if len(files) != manifest["splits"][split]["shards"]:
-        raise FileNotFoundError(
-            f"{root}/{split}: manifest lists {manifest['splits'][split]['shards']} shards, found {len(files)}"
-        )
+    if len(files) != manifest.splits[split].shards:
+        raise FileNotFoundError(f"{root}/{split}: manifest lists {manifest.splits[split].shards} shards, "
+                                f"found {len(files)}")
     return files
-
-
-class ShardError(OSError):
-    """A shard that is not what the manifest says: unreadable, or holding other rows."""
 
 
 def verify_split(root: LocationLike, split: str) -> int:
     """Read every shard's Parquet footer and check that together they hold the images the
     manifest lists: a truncated or foreign shard is named here, before training, not 55 s into
     it inside a worker. Returns the split's images."""
-    expected = read_manifest(root)["splits"].get(split, {}).get("images")
+    files = split_shards(root, split)  # names the dataset when the split is not in it
+    expected = read_manifest(root).split(split).images
     rows = 0
-    for shard in split_shards(root, split):
+    for shard in files:
         try:
             with shard.fs.open_input_file(shard.path) as f:
                 rows += pq.read_metadata(f).num_rows
@@ -379,7 +417,7 @@ def hold_out(records: list[sources.Record], share: float, seed: int, split: str 
     return [replace(r, split=split) if drawn(r.image_id) else r for r in records]
 
 
-def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
+def _other_splits(out: Location, built: list[str]) -> dict[str, SplitInfo]:
     """The splits of an existing dataset at ``out`` that this build leaves alone. The manifest
     is rewritten to list only them while the build runs (removed when there are none), so an
     interrupted build never leaves a manifest naming half-built shards."""
@@ -387,12 +425,12 @@ def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
         manifest = read_manifest(out)
     except FileNotFoundError:
         return {}
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise BuildError(f"{out}: its manifest has schema version {manifest.get('schema_version')}, this pairsim "
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise BuildError(f"{out}: its manifest has schema version {manifest.schema_version}, this pairsim "
                          f"writes {SCHEMA_VERSION}; build into a new directory")
-    others = {name: counts for name, counts in manifest["splits"].items() if name not in built}
+    others = {name: counts for name, counts in manifest.splits.items() if name not in built}
     if others:
-        write_manifest(out, manifest["source"], others)
+        write_manifest(out, manifest.source, others)
     else:
         (out / MANIFEST).delete()
     return others
@@ -417,7 +455,7 @@ def _reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
     return ", ".join(f"{n} × {kind}: {reason}" for (kind, reason), n in counts.most_common(top))
 
 
-def build(cfg: BuildConfig, progress: bool = True) -> dict[str, Any]:
+def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
     """Build the splits of ``cfg.input`` into ``cfg.out``; returns the manifest.
 
     Other splits already in ``cfg.out`` (built earlier from another source, e.g. a val CSV
@@ -567,16 +605,16 @@ def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, she
     sheet PNG (default ``DIR/contact_sheet.png``, ``./contact_sheet.png`` for a URI) of the first split."""
     root = Location.of(root)
     manifest = read_manifest(root)
-    lines = [f"{root}: {manifest['source']} (schema v{manifest['schema_version']}), "
-             f"content hash {manifest['content_hash'][:12]}"]
-    for split, c in sorted(manifest["splits"].items()):
-        lines.append(f"  {split:<8} {c['images']:>9,} images {c['captions']:>10,} captions {c['shards']:>5} shards")
-    lines.append(f"  rejected: {manifest['rejected']}")
+    lines = [f"{root}: {manifest.source} (schema v{manifest.schema_version}), "
+             f"content hash {manifest.content_hash[:12]}"]
+    for split, c in sorted(manifest.splits.items()):
+        lines.append(f"  {split:<8} {c.images:>9,} images {c.captions:>10,} captions {c.shards:>5} shards")
+    lines.append(f"  rejected: {manifest.rejected}")
     rejects_file = root / REJECTS
-    if manifest["rejected"] and rejects_file.is_file():
+    if manifest.rejected and rejects_file.is_file():
         rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
         lines.append(f"  mostly {_reject_summary(rejects)} (see {rejects_file})")
-    first = sorted(manifest["splits"])[0]
+    first = sorted(manifest.splits)[0]
     lines += ["", "schema:", str(read_table(split_shards(root, first)[:1]).schema)]
     lines += ["", f"sample of {first}:"]
     for row in sample_rows(root, first, samples):

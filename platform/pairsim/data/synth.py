@@ -284,7 +284,7 @@ def split_records(seed: int, split: str, n: int, image_size: int, captions: str,
 
 def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
              image_size: int = 64, seed: int = 0, rows_per_shard: int = 2_000,
-             progress: bool = True, captions: str = "scene", hard_negatives: Sequence[str] = ()) -> dict:
+             progress: bool = True, captions: str = "scene", hard_negatives: Sequence[str] = ()) -> shards.Manifest:
     """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``;
     ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text);
     ``hard_negatives``: the val/test splits built of hard-negative families (train never is)."""

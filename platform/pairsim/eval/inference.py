@@ -65,10 +65,10 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency),
                  num_gpus=1 if cfg.train.use_gpu else 0) | ({"label_selector": roles.train} if roles and roles.train else {})
-    counts = shards.read_manifest(cfg.data.split_path(split))["splits"][split]
+    counts = shards.read_manifest(cfg.data.split_path(split)).split(split)
     batches = []
     try:
-        with tqdm(total=counts["images"] + counts["captions"], desc=f"embedding {split}", unit="item",
+        with tqdm(total=counts.images + counts.captions, desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
             for ds in (ingest.eval_images(cfg, split, ledger_name), ingest.eval_texts(cfg, split)):
                 ds = ds.map_batches(EmbedBatches, **embed)

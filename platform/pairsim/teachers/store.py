@@ -57,7 +57,7 @@ class TeacherStore:
 
     def check(self, cfg: RunConfig) -> None:
         manifest = self.manifest()
-        data_hash = shards.read_manifest(cfg.data.path)["content_hash"]
+        data_hash = shards.read_manifest(cfg.data.path).content_hash
         if manifest["data_content_hash"] != data_hash:
             raise ConfigError(f"loss.cusa.teacher_features: {self.root} was extracted from other data than "
                               f"{cfg.data.path} (content hash {manifest['data_content_hash'][:12]} vs {data_hash[:12]})")
@@ -141,7 +141,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
         embedded = rows.map_batches(_EmbedShardRows, fn_constructor_args=(teachers,), batch_size=batch_size,
                                     compute=ray.data.ActorPoolStrategy(size=concurrency), batch_format="numpy")
         by_shard: dict[str, list[dict[str, Any]]] = {}
-        with tqdm(total=manifest["splits"][split]["images"], desc=f"teacher features {split}", unit="img",
+        with tqdm(total=manifest.split(split).images, desc=f"teacher features {split}", unit="img",
                   disable=not progress) as bar:
             for batch in embedded.iter_batches(batch_size=batch_size, batch_format="numpy"):
                 for path, image_id, error, image, caps in zip(batch["path"], batch["image_id"], batch["error"],
@@ -159,7 +159,7 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
             pq.write_table(pa.Table.from_pylist(shard_rows), target)
     previous = TeacherStore(out).manifest() if (out / STORE_MANIFEST).is_file() else {"splits": []}
     (out / STORE_MANIFEST).write_text(json.dumps({
-        "data_path": str(cfg.data.path), "data_content_hash": manifest["content_hash"],
+        "data_path": str(cfg.data.path), "data_content_hash": manifest.content_hash,
         "splits": sorted(set(previous["splits"]) | set(splits)),
         "teachers": {m: t.identity() for m, t in teachers.items()},
         "skipped_images": skipped,

@@ -36,15 +36,15 @@ from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, trai
 logger = log.get_logger("train")
 
 
-def train_counts(cfg: RunConfig) -> dict[str, int]:
-    """The train split's counts in the manifest (images, captions, ...)."""
-    return shards.read_manifest(cfg.data.path)["splits"][cfg.data.train_split]
+def train_counts(cfg: RunConfig) -> shards.SplitInfo:
+    """The train split's entry in the manifest (images, captions, ...)."""
+    return shards.read_manifest(cfg.data.path).split(cfg.data.train_split)
 
 
 def steps_per_epoch(cfg: RunConfig) -> int:
     """Optimizer steps in one epoch over the train split (the last partial global batch is dropped)."""
     counts = train_counts(cfg)
-    pairs = counts["captions"] if cfg.data.pairs_per_image == "all" else counts["images"] * cfg.data.pairs_per_image
+    pairs = counts.captions if cfg.data.pairs_per_image == "all" else counts.images * cfg.data.pairs_per_image
     return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers * cfg.train.accumulate_steps)
 
 
@@ -95,7 +95,7 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, 
             logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
                         selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
             split = cfg.data.test_split
-            if split is None or split not in shards.read_manifest(cfg.data.split_path(split))["splits"]:
+            if split is None or split not in shards.read_manifest(cfg.data.split_path(split)).splits:
                 logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
                 return best_uri, {}
             model, _ = retrieval.load_exported(written[0])
@@ -240,7 +240,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
                                                            for key in (trial.logged_params if trial else ())},
                                             reset_temperatures=bool(trial and trial.reset_temperatures),
-                                            train_images=train_counts(cfg)["images"]))},
+                                            train_images=train_counts(cfg).images))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(
