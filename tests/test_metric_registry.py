@@ -130,9 +130,10 @@ def test_a_run_names_the_metrics_its_data_cannot_give(tiny_dataset, tmp_path, ca
     single = _single_caption_copy(tiny_dataset, tmp_path / "single", "val")
     cfg = load_config(None, [f"data.path={single}", "eval.select_metric=i2t_R@1"])
     with caplog.at_level("INFO", logger="pairsim"):
-        assert driver.skipped_metrics_tag(cfg) == {"pairsim.skipped_metrics": "t2t,grid"}
+        assert driver.skipped_metrics_tag(cfg, driver.check_ready(cfg).facts) == {"pairsim.skipped_metrics": "t2t,grid"}
     assert "the val split of" in caplog.text and "no text→text, the modality grid metrics" in caplog.text
-    assert driver.skipped_metrics_tag(load_config(None, [f"data.path={tiny_dataset}"])) == {}
+    plain = load_config(None, [f"data.path={tiny_dataset}"])
+    assert driver.skipped_metrics_tag(plain, driver.check_ready(plain).facts) == {}
 
 
 # --------------------------------------------------------------------------- data formats

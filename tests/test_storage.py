@@ -158,7 +158,7 @@ def test_a_run_on_data_in_a_bucket_logs_no_secret_of_the_environment(bucket, tin
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = load_config(None, [f"data.path={data}", f"tracking.tracking_uri={uri}"])
     run_id = tracking.open_run(cfg, "secrets", cfg.to_yaml(), engine.deepspeed_config(cfg.train, cfg.optim, 10))
-    tracking.log_datasets(uri, run_id, cfg.data)
+    tracking.log_datasets(uri, run_id, shards.RunData.read(cfg.data))
     client = MlflowClient(uri)
     run = client.get_run(run_id)
     datasets = [i.dataset for i in run.inputs.dataset_inputs]
@@ -257,7 +257,7 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
     def run(epochs: int) -> driver.TrainResult:
         return driver.fit(config(epochs))
 
-    steps_per_epoch = driver.steps_per_epoch(config(1))
+    steps_per_epoch = driver.check_ready(config(1)).steps_per_epoch
 
     first = run(1)
     resumed = run(2)

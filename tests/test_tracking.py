@@ -68,7 +68,7 @@ def new_run(uri: str) -> tuple[MlflowClient, str]:
 
 def test_datasets_are_logged_with_the_manifests_content_hashes(store, tiny_dataset):
     client, run_id = new_run(store)
-    tracking.log_datasets(store, run_id, load_config(None, [f"data.path={tiny_dataset}"]).data)
+    tracking.log_datasets(store, run_id, shards.RunData.read(load_config(None, [f"data.path={tiny_dataset}"]).data))
     splits = shards.read_manifest(tiny_dataset).splits
     logged = {i.tags[0].value: i.dataset for i in client.get_run(run_id).inputs.dataset_inputs}
     assert set(logged) == {"training", "validation", "testing"}
@@ -85,7 +85,7 @@ def test_datasets_are_logged_with_the_manifests_content_hashes(store, tiny_datas
 def test_a_test_split_that_is_missing_or_unused_is_not_logged(store, tiny_dataset, test_split, test):
     client, run_id = new_run(store)
     data = load_config(None, [f"data.path={tiny_dataset}", f"data.test_split={test_split}"]).data
-    tracking.log_datasets(store, run_id, data, test=test)
+    tracking.log_datasets(store, run_id, shards.RunData.read(data), test=test)
     assert {i.tags[0].value for i in client.get_run(run_id).inputs.dataset_inputs} == {"training", "validation"}
 
 

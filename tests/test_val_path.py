@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from pairsim import tracking
 from pairsim.config import ConfigError, load_config
-from pairsim.data import ingest, synth
+from pairsim.data import ingest, shards, synth
 from pairsim.train import driver
 
 
@@ -30,11 +30,12 @@ def test_val_and_test_splits_come_from_val_path(two_datasets):
     with pytest.raises(ConfigError, match=r"data.path: .*val"):  # mine has no usable val split
         driver.check_ready(config(mine))
     cfg = config(mine, f"data.val_path={other}")
-    driver.check_ready(cfg)
+    prepared = driver.check_ready(cfg)
     assert Path(cfg.data.split_path("train")).resolve() == mine.resolve()
     assert {cfg.data.split_path(s) for s in ("val", "test")} == {cfg.data.val_path}
-    assert driver.split_facts(cfg, "val").describe()  # read from other's manifest
-    assert driver.steps_per_epoch(cfg) == 64 // (8 * 2)  # train from mine
+    assert prepared.facts["val"] == driver.split_facts(cfg, "val") and set(prepared.facts) == {"val", "test"}
+    assert prepared.steps_per_epoch == 64 // (8 * 2)  # train from mine
+    assert prepared.data.split("val").images == 20 and prepared.data.split("train").images == 64
     with pytest.raises(ConfigError, match=r"data.val_path: .*mine: split 'val' not in manifest"):
         driver.check_ready(config(mine, f"data.val_path={mine}"))
 
@@ -53,7 +54,7 @@ def test_val_path_feeds_ingest_and_the_runs_datasets(two_datasets, ray_instance,
     assert ingest.read_split(cfg, "train", ["image_id"]).count() == 64
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = tracking.create_run(uri, "val-path", "datasets", {})
-    tracking.log_datasets(uri, run_id, cfg.data)
+    tracking.log_datasets(uri, run_id, shards.RunData.read(cfg.data))
     inputs = MlflowClient(uri).get_run(run_id).inputs.dataset_inputs
     sources = {d.tags[0].value: json.loads(d.dataset.source)["uri"] for d in inputs}
     assert sources == {"training": str(mine.resolve()), "validation": str(other.resolve()),

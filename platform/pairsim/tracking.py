@@ -34,7 +34,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
 from pairsim import storage
-from pairsim.config import ConfigError, DataConfig, RunConfig, check_tracking_uri
+from pairsim.config import ConfigError, RunConfig, check_tracking_uri
 from pairsim.data import shards
 from pairsim.log import get_logger
 from pairsim.models import retrieval
@@ -224,8 +224,7 @@ class ShardSplit(Dataset):
     its digest the split's manifest content hash (cut to MLflow's 36 characters; the profile
     holds it whole, with the split's counts)."""
 
-    def __init__(self, root: Path, split: str):
-        counts = shards.read_manifest(root).split(split)
+    def __init__(self, root: Path, split: str, counts: shards.SplitInfo):
         self._profile = {"split": split, "content_hash": counts.content_hash, "images": counts.images,
                          "captions": counts.captions, "shards": counts.shards}
         super().__init__(dataset_source(root), name=f"{storage.Location.of(root).name}/{split}",
@@ -246,14 +245,15 @@ class ShardSplit(Dataset):
         return None
 
 
-def log_datasets(tracking_uri: str, run_id: str, data: DataConfig, test: bool = True) -> None:
+def log_datasets(tracking_uri: str, run_id: str, data: shards.RunData, test: bool = True) -> None:
     """The train and val splits and, with ``test`` when the data has it, the test split as the
     run's MLflow dataset inputs, each with its context (``training``, ``validation``, ``testing``)."""
-    splits = {"training": data.train_split, "validation": data.val_split}
-    if test and data.test_split in shards.read_manifest(data.split_path(data.test_split)).splits:
-        splits["testing"] = data.test_split
+    config = data.config
+    splits = {"training": config.train_split, "validation": config.val_split}
+    if test and data.has(config.test_split):
+        splits["testing"] = config.test_split
     MlflowClient(tracking_uri).log_inputs(run_id, [
-        DatasetInput(ShardSplit(data.split_path(split), split)._to_mlflow_entity(),
+        DatasetInput(ShardSplit(config.split_path(split), split, data.split(split))._to_mlflow_entity(),
                      [InputTag(MLFLOW_DATASET_CONTEXT, context)])
         for context, split in splits.items()])
 

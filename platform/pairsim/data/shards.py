@@ -30,7 +30,7 @@ import json
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from tqdm import tqdm
 
 from pairsim.data import sources
-from pairsim.config import SPLIT_NAME, BuildConfig
+from pairsim.config import SPLIT_NAME, BuildConfig, DataConfig
 from pairsim.storage import Location, LocationLike, filesystem_and_paths
 from pairsim.registry import DATA_FORMATS
 
@@ -199,10 +199,35 @@ def read_manifest(root: LocationLike) -> Manifest:
         raise ShardError(f"{path}: not a pairsim manifest ({'; '.join(problems)}); rebuild the dataset") from None
 
 
-def split_shards(root: LocationLike, split: str) -> list[Location]:
-    """The shard files of one split, checked against the manifest."""
+@dataclass(frozen=True)
+class RunData:
+    """The datasets one run reads, each manifest read once (before Ray starts) and handed down:
+    ``data.path``'s and, when it is set, ``data.val_path``'s (the evaluated splits')."""
+
+    config: DataConfig
+    manifests: dict[str, Manifest]  # by dataset directory, as configured
+
+    @classmethod
+    def read(cls, config: DataConfig) -> RunData:
+        roots = dict.fromkeys(str(config.split_path(s)) for s in (config.train_split, config.val_split))
+        return cls(config, {root: read_manifest(root) for root in roots})
+
+    def manifest(self, split: str) -> Manifest:
+        """The manifest of the dataset directory that holds ``split``."""
+        return self.manifests[str(self.config.split_path(split))]
+
+    def has(self, split: str | None) -> bool:
+        return split is not None and split in self.manifest(split).splits
+
+    def split(self, split: str) -> SplitInfo:
+        return self.manifest(split).split(split)
+
+
+def split_shards(root: LocationLike, split: str, manifest: Manifest | None = None) -> list[Location]:
+    """The shard files of one split, checked against its ``manifest`` (read from ``root`` when
+    not given)."""
     root = Location.of(root)
-    manifest = read_manifest(root)
+    manifest = manifest or read_manifest(root)
     if split not in manifest.splits:
         raise FileNotFoundError(f"{root}: split {split!r} not in manifest (has {sorted(manifest.splits)})")
     files = (root / split).files(".parquet")
@@ -212,12 +237,12 @@ def split_shards(root: LocationLike, split: str) -> list[Location]:
     return files
 
 
-def verify_split(root: LocationLike, split: str) -> int:
+def verify_split(root: LocationLike, split: str, manifest: Manifest) -> int:
     """Read every shard's Parquet footer and check that together they hold the images the
-    manifest lists: a truncated or foreign shard is named here, before training, not 55 s into
-    it inside a worker. Returns the split's images."""
-    files = split_shards(root, split)  # names the dataset when the split is not in it
-    expected = read_manifest(root).split(split).images
+    ``manifest`` (``root``'s) lists: a truncated or foreign shard is named here, before
+    training, not 55 s into it inside a worker. Returns the split's images."""
+    files = split_shards(root, split, manifest)  # names the dataset when the split is not in it
+    expected = manifest.split(split).images
     rows = 0
     for shard in files:
         try:

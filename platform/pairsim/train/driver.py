@@ -36,14 +36,9 @@ from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, trai
 logger = log.get_logger("train")
 
 
-def train_counts(cfg: RunConfig) -> shards.SplitInfo:
-    """The train split's entry in the manifest (images, captions, ...)."""
-    return shards.read_manifest(cfg.data.path).split(cfg.data.train_split)
-
-
-def steps_per_epoch(cfg: RunConfig) -> int:
-    """Optimizer steps in one epoch over the train split (the last partial global batch is dropped)."""
-    counts = train_counts(cfg)
+def steps_per_epoch(cfg: RunConfig, counts: shards.SplitInfo) -> int:
+    """Optimizer steps in one epoch over the train split (its ``counts`` in the manifest; the last
+    partial global batch is dropped)."""
     pairs = counts.captions if cfg.data.pairs_per_image == "all" else counts.images * cfg.data.pairs_per_image
     return pairs // (cfg.train.micro_batch_size * cfg.train.num_workers * cfg.train.accumulate_steps)
 
@@ -76,7 +71,7 @@ def ray_storage(cfg: RunConfig) -> dict[str, Any]:
     return {"storage_path": location.path, "storage_filesystem": None if location.is_local else location.fs}
 
 
-def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, run_id: str,
+def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_dir: storage.Location, run_id: str,
            tracking_uri: str, roles: cluster.NodeRoles) -> tuple[str, dict[str, float]]:
     """Export the best checkpoint in ``run_dir`` (by ``eval.select_metric`` on val,
     :func:`checkpoints.best_checkpoint`) into the MLflow run's ``model/`` and evaluate it once
@@ -95,11 +90,11 @@ def finish(cfg: RunConfig, result: ray.train.Result, run_dir: storage.Location, 
             logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
                         selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
             split = cfg.data.test_split
-            if split is None or split not in shards.read_manifest(cfg.data.split_path(split)).splits:
+            if not data.has(split):
                 logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
                 return best_uri, {}
             model, _ = retrieval.load_exported(written[0])
-        embeddings = inference.embed_with_ray_data(model, cfg, split, roles=roles)
+        embeddings = inference.embed_with_ray_data(model, cfg, split, roles=roles, counts=data.split(split))
         result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
         report.log_report(run, result_report, embeddings,
                           functools.partial(shards.read_rows, cfg.data.split_path(split), split),
@@ -112,17 +107,14 @@ def split_facts(cfg: RunConfig, split: str) -> suite.DataFacts:
     return suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.split_path(split), split))
 
 
-def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
-    """``pairsim.skipped_metrics``: the metric groups the val (and test) split cannot give, e.g.
-    ``t2t,grid`` for one caption per image, each said once on the console; {} when none."""
+def skipped_metrics_tag(cfg: RunConfig, facts: dict[str, suite.DataFacts]) -> dict[str, str]:
+    """``pairsim.skipped_metrics``: the metric groups the val (and test) split cannot give (from
+    their ``facts`` by split), e.g. ``t2t,grid`` for one caption per image, each said once on the
+    console; {} when none."""
     skipped: dict[str, str] = {}
-    for split in filter(None, (cfg.data.val_split, cfg.data.test_split)):
-        try:
-            facts = split_facts(cfg, split)
-        except FileNotFoundError:  # a test split that is not there is not evaluated
-            continue
-        if groups := suite.skipped_groups(cfg.eval.ks, facts):
-            logger.info("the %s split of %s has %s: no %s metrics", split, cfg.data.split_path(split), facts.describe(),
+    for split, held in facts.items():
+        if groups := suite.skipped_groups(cfg.eval.ks, held):
+            logger.info("the %s split of %s has %s: no %s metrics", split, cfg.data.split_path(split), held.describe(),
                         ", ".join(groups.values()))
         skipped |= groups
     return {"pairsim.skipped_metrics": ",".join(skipped)} if skipped else {}
@@ -131,9 +123,22 @@ def skipped_metrics_tag(cfg: RunConfig) -> dict[str, str]:
 MIN_SPLIT_IMAGES = 2  # a query ranks at least one candidate against another
 
 
-def check_ready(cfg: RunConfig) -> None:
-    """Everything that can be checked before the cluster is touched. Local paths are checked
-    as they are: :func:`fit` makes them absolute against the working directory first."""
+@dataclass(frozen=True)
+class Prepared:
+    """What :func:`check_ready` read and derived, handed down to the run rather than read again:
+    the data's manifests, what the val split (and the test split, when the data has one) holds,
+    steps per epoch and the DeepSpeed config."""
+
+    data: shards.RunData
+    facts: dict[str, suite.DataFacts]
+    steps_per_epoch: int
+    deepspeed_config: dict[str, Any]
+
+
+def check_ready(cfg: RunConfig) -> Prepared:
+    """Everything that can be checked before the cluster is touched, and what it read. Local
+    paths are checked as they are: :func:`fit` makes them absolute against the working
+    directory first."""
     if not storage.is_uri(cfg.ray.storage_path) and (problem := storage.local_storage_problem(Path(cfg.ray.storage_path).resolve())):
         raise ConfigError(f"ray.storage_path: {problem}")
     if cfg.optim.impl == "deepspeed" and cluster.starts_local_instance(cfg):
@@ -142,15 +147,19 @@ def check_ready(cfg: RunConfig) -> None:
     clip.check_model_config(cfg.model)
     checkpoints.check_init_from(cfg.model)
     tracking.check_reachable(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri))
+    manifests: dict[str, shards.Manifest] = {}
     for split in (cfg.data.train_split, cfg.data.val_split):
-        key = cfg.data.split_key(split)
+        key, root = cfg.data.split_key(split), cfg.data.split_path(split)
         try:
-            images = shards.verify_split(cfg.data.split_path(split), split)
+            if str(root) not in manifests:
+                manifests[str(root)] = shards.read_manifest(root)
+            images = shards.verify_split(root, split, manifests[str(root)])
         except OSError as exc:  # missing or corrupt, or an object store that cannot be reached
             raise ConfigError(f"{key}: {exc}") from None
         if images < MIN_SPLIT_IMAGES:
             raise ConfigError(f"{key}: the {split} split of {cfg.data.split_path(split)} has {images} images; "
                               f"training and retrieval need at least {MIN_SPLIT_IMAGES}")
+    data = shards.RunData(cfg.data, manifests)
     facts = split_facts(cfg, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
     if cfg.eval.select_metric not in given:
@@ -162,12 +171,18 @@ def check_ready(cfg: RunConfig) -> None:
     if cfg.data.max_cpus is not None and cfg.data.max_cpus < cfg.data.cpus_per_task:
         raise ConfigError(f"data.max_cpus: {cfg.data.max_cpus} is less than one task's data.cpus_per_task "
                           f"({cfg.data.cpus_per_task}): ingest could never run")
-    if steps_per_epoch(cfg) < 1:
+    per_epoch = steps_per_epoch(cfg, data.split(cfg.data.train_split))
+    if per_epoch < 1:
         raise ConfigError(
             f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers × "
             f"{cfg.train.accumulate_steps} accumulated is larger than the {cfg.data.train_split} split of {cfg.data.path}")
+    ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
     if cfg.train.deepspeed:
-        engine.check_deepspeed_config(engine.deepspeed_config(cfg.train, cfg.optim, steps_per_epoch(cfg)))
+        engine.check_deepspeed_config(ds_config)
+    evaluated = {cfg.data.val_split: facts}
+    if data.has(cfg.data.test_split) and cfg.data.test_split not in evaluated:
+        evaluated[cfg.data.test_split] = split_facts(cfg, cfg.data.test_split)
+    return Prepared(data, evaluated, per_epoch, ds_config)
 
 
 @dataclass(frozen=True)
@@ -197,11 +212,10 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from."""
     clock = StartupClock()
     cfg = cfg.with_absolute_paths()
-    check_ready(cfg)
+    prepared = check_ready(cfg)
     clock.lap("checks")
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
-    per_epoch = steps_per_epoch(cfg)
-    ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
+    per_epoch, ds_config = prepared.steps_per_epoch, prepared.deepspeed_config
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
     cluster.init_ray(cfg)
     roles = cluster.node_roles(cfg.ray.node_roles)
@@ -209,8 +223,8 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     ingest.start_ingest_workers(cfg, roles)
     clock.lap("ray")
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
-                               tags=skipped_metrics_tag(cfg) | (trial.tags if trial else {}))
-    tracking.log_datasets(tracking_uri, run_id, cfg.data, test=trial is None)  # trials are not tested
+                               tags=skipped_metrics_tag(cfg, prepared.facts) | (trial.tags if trial else {}))
+    tracking.log_datasets(tracking_uri, run_id, prepared.data, test=trial is None)  # trials are not tested
     clock.lap("mlflow")
 
     ledger_name = f"pairsim-skips-{run_name}"
@@ -240,7 +254,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
                                                            for key in (trial.logged_params if trial else ())},
                                             reset_temperatures=bool(trial and trial.reset_temperatures),
-                                            train_images=train_counts(cfg).images))},
+                                            train_images=prepared.data.split(cfg.data.train_split).images))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(
@@ -258,7 +272,7 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
         try:
             result = trainer.fit()
             if trial is None:
-                best_path, test_metrics = finish(cfg, result, run_dir, run_id, tracking_uri, roles)
+                best_path, test_metrics = finish(cfg, prepared.data, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True
         finally:
             ray.kill(ledger)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pairsim import tracking
+from pairsim.data import shards
 from pairsim.tune.space import Sweep
 
 PLOTS = ("metric_vs_params.png", "parallel_coordinates.png", "metric_vs_epoch.png")
@@ -316,7 +317,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
 def log_inputs(tracking_uri: str, parent_run_id: str, sweep: Sweep) -> None:
     """The sweep file and its resolved base run config, as artifacts of the parent run, and the
     base's train and val splits as its dataset inputs (:func:`pairsim.tracking.log_datasets`)."""
-    tracking.log_datasets(tracking_uri, parent_run_id, sweep.base.data, test=False)
+    tracking.log_datasets(tracking_uri, parent_run_id, shards.RunData.read(sweep.base.data), test=False)
     with tracking.RunLogger(tracking_uri, parent_run_id) as run, tempfile.TemporaryDirectory() as tmp:
         run.log_artifact(sweep.source, "sweep")
         base = Path(tmp) / "base_config.yaml"
