@@ -1,5 +1,5 @@
 """A paper's figure from a sweep's trials (``pairsim.tune.figures``) and the Unified paper's
-Figure 5 (``pipelines/unified_figure5.py``): the verdict rules on made-up trials, the picture and
+Figure 5 (``benchmarks/unified_figure5.py``): the verdict rules on made-up trials, the picture and
 the JSON on the sweep's MLflow parent run. No Ray instance, no training."""
 
 import importlib.util
@@ -24,9 +24,9 @@ SWEEP = load_sweep(REPO / "tune_spaces" / "unified_figure5.yaml")
 @pytest.fixture
 def figure5(monkeypatch) -> figures.Figure:
     """``FIGURE5`` of the pipeline (its ``checkout_path`` import changes sys.path and PYTHONPATH: undone after)."""
-    monkeypatch.syspath_prepend(str(REPO / "pipelines"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-    spec = importlib.util.spec_from_file_location("unified_figure5", REPO / "pipelines" / "unified_figure5.py")
+    spec = importlib.util.spec_from_file_location("unified_figure5", REPO / "benchmarks" / "unified_figure5.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.FIGURE5

@@ -16,7 +16,7 @@ caption has near-duplicates in the split that differ in the changed attribute's 
 
 With ``captions="object_labels"`` each image gets one text instead: its objects' colours and
 shapes, sorted ("blue square, red circle") — labels, not captions (no sizes, relations or
-templates), for training an image encoder on labels (``pipelines/reproduce.py``'s CUSA teacher).
+templates), for training an image encoder on labels (``benchmarks/reproduce.py``'s CUSA teacher).
 
 Deterministic: scene ``i`` of split ``s`` depends only on ``(seed, s, i)``, and the shards are
 byte-identical for the same arguments.

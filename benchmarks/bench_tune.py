@@ -1,7 +1,7 @@
 """Benchmark of sweeps: ASHA against FIFO over the same space and seeds, and a trial's start-up
 against a plain run's.
 
-    python pipelines/bench_tune.py [--num-train 1000] [--trials 8] [--epochs 4] [--out bench_out/tune]
+    python benchmarks/bench_tune.py [--num-train 1000] [--trials 8] [--epochs 4] [--out bench_out/tune]
 
 On a shapes dataset (generated in OUT/data if absent), a random search over the Unified loss's
 margin and scale (seed 0: both sweeps draw the same points) runs once under FIFO and once under

@@ -1,9 +1,9 @@
 """Benchmark: time and peak memory of blocked retrieval (chunked matmul + running top-k) vs dense.
 
-    python pipelines/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
-    python pipelines/bench_eval.py --sizes 1000 3000 --dim 512
+    python benchmarks/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
+    python benchmarks/bench_eval.py --sizes 1000 3000 --dim 512
     git show 95fdf8c:platform/pairsim/eval/metrics.py > /tmp/metrics_95fdf8c.py
-    python pipelines/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
+    python benchmarks/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
         --compare-with /tmp/metrics_95fdf8c.py --mmap-threshold 131072
 
 N queries against 5N keys (text→image has 5 captions per image; here queries are images and keys

@@ -1,11 +1,11 @@
 """The Unified paper's Figure 5 (Li et al., arXiv 2209.13869, §4.5) as a sweep, with a verdict
 on each of its statements.
 
-    python pipelines/unified_figure5.py [--init-from MODEL] [--set KEY=VALUE ...] [--name NAME]
+    python benchmarks/unified_figure5.py [--init-from MODEL] [--set KEY=VALUE ...] [--name NAME]
 
 Runs ``tune_spaces/unified_figure5.yaml`` — val RSUM at m ∈ {0, 0.1, 0.2, 0.3, 0.4} with γ = 60
 and at γ ∈ {20, 40, 60, 80, 100} with m = 0.2, 9 trials, each trained fully — fine-tuning, as
-the paper does: by default from the pretrained base of ``pipelines/reproduce.py`` (made there,
+the paper does: by default from the pretrained base of ``benchmarks/reproduce.py`` (made there,
 or found in its cache under ``--out``) on its fine-tuning corpus, into its MLflow store;
 ``--init-from MODEL`` starts from another model (then give ``--set data.path=DIR`` too). Then draws the two curves with
 the paper's three statements and a verdict each (:mod:`pairsim.tune.figures` states the rules)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a key of the sweep file or its base config, as for pairsim tune")
     parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
     parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"),
-                        help="pipelines/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
+                        help="benchmarks/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
     args = parser.parse_args(argv)
     log.setup()
     try:

@@ -3,7 +3,7 @@ decode / augment / tokenize code (``pairsim.data.ingest.TrainPreprocess``) with 
 workers over the same shards, in one run; then the share of step time a real training run
 (the demo's tiny model, 2 workers) spends waiting for data.
 
-    python pipelines/bench_ingest.py [--cpus 2] [--repeats 3] [--skip-training]
+    python benchmarks/bench_ingest.py [--cpus 2] [--repeats 3] [--skip-training]
 
 Two datasets: the demo's 64 px shapes (PNG, tiny model's 64 px transform) and 400×300 JPEG
 "photos" built with ``pairsim shards build`` and cut to 224 px by ViT-B-32's transform.

@@ -1,6 +1,6 @@
 """Benchmark of a run's start-up: where it goes, phase by phase, against the floor.
 
-    python pipelines/bench_startup.py [--runs 3] [--out bench_out/startup]
+    python benchmarks/bench_startup.py [--runs 3] [--out bench_out/startup]
 
 The floor: a fresh Python process that imports torch, deepspeed and open_clip and builds the
 demo config's model (what any worker must do before its first step), timed from launch to exit.

@@ -1,7 +1,7 @@
 """Training throughput: pairsim (1 Ray Train worker, DeepSpeed ZeRO-0, fp32) against open_clip's
 own training script (``open_clip_train``) on the same tiny model, data and batch size, in one run.
 
-    python pipelines/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
+    python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
 ``open_clip_train`` reads. Both tools get the same compute threads and one data worker.

@@ -1,7 +1,7 @@
 """Benchmark: forward + backward time and peak extra memory of pairsim's losses vs open_clip's ClipLoss.
 
-    python pipelines/bench_losses.py                    # B = 256, 1024, 4096; d = 512; this machine's device
-    python pipelines/bench_losses.py --sizes 256 1024 --repeats 3
+    python benchmarks/bench_losses.py                    # B = 256, 1024, 4096; d = 512; this machine's device
+    python benchmarks/bench_losses.py --sizes 256 1024 --repeats 3
 
 Every loss gets the same random features (d = 512; teacher features d = 384 for CUSA) and the
 baseline, open_clip's ``ClipLoss``, is measured in the same run. Time is the median of

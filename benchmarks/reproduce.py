@@ -1,11 +1,11 @@
 """The papers' effects, in small: each objective fine-tunes a pretrained CLIP, several seeds, next
 to what its paper claims.
 
-    python pipelines/reproduce.py                     # every stage; what is cached is reused
-    python pipelines/reproduce.py --stage pretrain    # only the base CLIP (or --stage teacher)
-    python pipelines/reproduce.py --stage report      # the table from the runs saved so far, training nothing
-    python pipelines/reproduce.py --setting scratch   # the from-scratch table instead
-    python pipelines/reproduce.py --objectives infonce unified --seeds 0 --out bench_out/reproduce
+    python benchmarks/reproduce.py                     # every stage; what is cached is reused
+    python benchmarks/reproduce.py --stage pretrain    # only the base CLIP (or --stage teacher)
+    python benchmarks/reproduce.py --stage report      # the table from the runs saved so far, training nothing
+    python benchmarks/reproduce.py --setting scratch   # the from-scratch table instead
+    python benchmarks/reproduce.py --objectives infonce unified --seeds 0 --out bench_out/reproduce
 
 Setting ``pretrained`` (the default) follows the papers' protocol:
 
