@@ -265,3 +265,52 @@ def test_a_layer_that_replaces_the_base_drops_the_old_bases_params(tmp_path):
         load_config(DEMO_CONFIG, ["loss.base=infonce", "loss.margin=0.3"])
     with pytest.raises(ConfigError, match=r"loss\.gamma: not a parameter of loss\.base 'triplet_hn'"):
         load_config(write(tmp_path, {"loss": {"base": "triplet_hn", "gamma": 30}}))
+
+
+def test_shards_build_flags_are_build_configs_fields_with_their_help_and_defaults(tmp_path):
+    """``pairsim shards build``'s flags come from BuildConfig: one per field, its description and
+    default in the help, parsed into the same config (escapes in --csv-separator decoded)."""
+    import argparse
+
+    from pairsim.cli import build_parser
+    from pairsim.config import BuildConfig
+
+    parser = build_parser()
+    build = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["shards"]
+    build = next(a for a in build._actions if isinstance(a, argparse._SubParsersAction)).choices["build"]
+    flags = {a.dest: a for a in build._actions if a.option_strings and a.dest != "help"}
+    assert set(flags) == set(BuildConfig.model_fields) | {"ray_address"}
+    for name, field in BuildConfig.model_fields.items():
+        assert flags[name].option_strings == ["--" + name.replace("_", "-")]
+        assert flags[name].required == field.is_required() and flags[name].default is None
+        if name != "format":
+            assert field.description in flags[name].help
+            assert field.is_required() or field.default is None or f"(default {field.default!r})" in flags[name].help
+    args = parser.parse_args(["shards", "build", "--format", "csv", "--input", "pairs.csv", "--out", str(tmp_path),
+                              "--csv-separator", "\\t", "--max-side", "512", "--val-share", "0.1"])
+    cfg = BuildConfig.from_args(**{name: getattr(args, name) for name in BuildConfig.model_fields})
+    assert (cfg.csv_separator, cfg.max_side, cfg.val_share, cfg.input) == ("\t", 512, 0.1, Path("pairs.csv"))
+    assert cfg.shard_mb == BuildConfig.model_fields["shard_mb"].default  # not given: the config's default
+    with pytest.raises(SystemExit):  # one shard size or the other
+        parser.parse_args(["shards", "build", "--format", "csv", "--input", "x", "--out", "y", "--rows-per-shard", "5",
+                           "--shard-mb", "3"])
+
+
+def test_every_command_names_the_function_that_runs_it():
+    import argparse
+
+    from pairsim.cli import build_parser
+
+    def leaves(parser, path=()):
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subparsers:
+            yield path, parser
+        for action in subparsers:
+            for name, child in action.choices.items():
+                yield from leaves(child, (*path, name))
+
+    commands = dict(leaves(build_parser()))
+    assert {" ".join(c) for c in commands} == {
+        "demo", "train", "tune", "extract-teacher", "shards build", "shards inspect", "evaluate", "export",
+        "checkpoints list", "checkpoints verify", "doctor", "registry", "data synth"}
+    assert all(callable(parser.get_default("func")) for parser in commands.values())

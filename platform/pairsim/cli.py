@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import codecs
 import signal
 import sys
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pairsim import log, storage
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
@@ -76,7 +79,7 @@ def _train(cfg: RunConfig) -> None:
     print(f"best checkpoint: {result.best_checkpoint_path}\nlatest checkpoint: {result.checkpoint_path}")
 
 
-def _tune(space: Path, overrides: list[str], name: str | None, resume: str | None) -> None:
+def _tune(space: Path, overrides: list[str], name: str | None = None, resume: str | None = None) -> None:
     from pairsim.tune.space import load_sweep
 
     if resume and name and resume != name:
@@ -189,42 +192,41 @@ def _ensure_demo_data(path: Path, **sizes: int) -> None:
     synth.ensure(path, **sizes)
 
 
-def _demo(objective: str | None, overrides: list[str], sweep: bool) -> None:
-    if sweep:
-        if objective:
+def _demo(args: argparse.Namespace) -> None:
+    if args.sweep:
+        if args.objective:
             raise ConfigError("--objective: the demo sweep searches the Unified loss; drop --objective or --sweep")
         from pairsim.tune.space import load_sweep
 
-        _ensure_demo_data(load_sweep(DEMO_SWEEP, overrides).base.data.path, **DEMO_SWEEP_SHAPES)
-        _tune(DEMO_SWEEP, overrides, None, None)
+        _ensure_demo_data(load_sweep(DEMO_SWEEP, args.overrides).base.data.path, **DEMO_SWEEP_SHAPES)
+        _tune(DEMO_SWEEP, args.overrides)
         return
-    cfg = load_config([DEMO_CONFIG] + ([objective_config(objective)] if objective else []), overrides)
+    cfg = load_config([DEMO_CONFIG] + ([objective_config(args.objective)] if args.objective else []), args.overrides)
     _ensure_demo_data(cfg.data.path)
     _train(cfg)
 
 
-def _extract_teacher(cfg: RunConfig, args: argparse.Namespace) -> None:
+def _extract_teacher(args: argparse.Namespace) -> None:
     from pairsim.cluster import init_ray
     from pairsim.teachers import encoders, store
 
+    cfg = load_config(args.config, args.overrides)
     encoders.check_teachers(cfg)
     init_ray(cfg)
     out = store.extract(cfg, args.out, args.splits or [cfg.data.train_split], args.batch_size, args.concurrency)
     print(f"teacher features in {out}; train from them with --set loss.cusa.teacher_features={out}")
 
 
-def _shards(args: argparse.Namespace) -> None:
+def _shards_inspect(args: argparse.Namespace) -> None:
     from pairsim.data import shards
 
-    if args.shards_command == "inspect":
-        print(shards.inspect(args.dir, samples=args.samples, sheet=args.sheet))
-        return
-    cfg = BuildConfig.from_args(
-        format=args.format, input=args.input, out=args.out, images_root=args.images_root, split=args.split,
-        val_share=args.val_share, val_seed=args.val_seed, rows_per_shard=args.rows_per_shard, shard_mb=args.shard_mb, max_side=args.max_side,
-        jpeg_quality=args.jpeg_quality, max_reject_share=args.max_reject_share, csv_image_key=args.csv_image_key,
-        csv_caption_key=args.csv_caption_key,
-        csv_separator=args.csv_separator and codecs.decode(args.csv_separator, "unicode_escape"))
+    print(shards.inspect(args.dir, samples=args.samples, sheet=args.sheet))
+
+
+def _shards_build(args: argparse.Namespace) -> None:
+    from pairsim.data import shards
+
+    cfg = BuildConfig.from_args(**{name: getattr(args, name) for name in BuildConfig.model_fields})
     if args.ray_address:
         from pairsim import cluster
 
@@ -235,37 +237,49 @@ def _shards(args: argparse.Namespace) -> None:
           + f"; {manifest.rejected} rejected (listed in {storage.Location.of(cfg.out) / shards.REJECTS})")
 
 
+SHARD_SIZE_FIELDS = ("rows_per_shard", "shard_mb")  # one or the other
+
+
+def _field_type(annotation: Any) -> Callable[[str], Any]:
+    """The argparse type of a config field's annotation: a path or URI, a path, int, float or str
+    (through unions, ``Optional`` and ``Annotated``)."""
+    kinds, pending = set(), [annotation]
+    while pending:
+        kind = pending.pop()
+        if typing.get_origin(kind) in (typing.Union, types.UnionType, typing.Annotated):
+            pending.extend(typing.get_args(kind)[:1] if typing.get_origin(kind) is typing.Annotated
+                           else typing.get_args(kind))
+        else:
+            kinds.add(kind)
+    if {Path, str} <= kinds:
+        return location_arg
+    return next(kind for kind in (Path, int, float, str) if kind in kinds)
+
+
 def add_shards_parser(sub) -> None:
-    """``shards build`` and ``shards inspect`` (also used by pipelines/prepare_data.py)."""
+    """``shards build`` and ``shards inspect`` (also used by pipelines/prepare_data.py). ``build``'s
+    flags are :class:`~pairsim.config.BuildConfig`'s fields (``--images-root`` for
+    ``images_root``), their types, help and defaults read from it."""
     shards = sub.add_parser("shards", help="build Parquet shards from a dataset, or inspect them")
     commands = shards.add_subparsers(dest="shards_command", required=True)
     build = commands.add_parser("build", help="COCO/Flickr30K split files, CSV, WebDataset tars or an image "
                                               "folder → DIR/<split>/part-NNNNN.parquet + manifest.json")
-    fields = BuildConfig.model_fields
-    build.add_argument("--format", required=True, choices=DATA_FORMATS.names(),
-                       help="; ".join(f"{name}: {fmt.description}" for name, fmt in DATA_FORMATS.items()))
-    build.add_argument("--input", type=Path, required=True, help=fields["input"].description)
-    build.add_argument("--out", type=location_arg, required=True, help=fields["out"].description)
-    build.add_argument("--images-root", type=Path, help=fields["images_root"].description)
-    build.add_argument("--split", help=fields["split"].description + " (default train); other splits already in "
-                                        "--out are kept, so train and val can come from two files")
-    build.add_argument("--val-share", type=float, help=fields["val_share"].description + ", e.g. 0.05")
-    build.add_argument("--val-seed", type=int, help=fields["val_seed"].description + " (default 0)")
     size = build.add_mutually_exclusive_group()
-    size.add_argument("--rows-per-shard", type=int, help=fields["rows_per_shard"].description)
-    size.add_argument("--shard-mb", type=float, help=fields["shard_mb"].description + " (default 256)")
-    build.add_argument("--max-side", type=int, help=fields["max_side"].description + " (default 1024)")
-    build.add_argument("--jpeg-quality", type=int, help=fields["jpeg_quality"].description + " (default 95)")
-    build.add_argument("--max-reject-share", type=float, help=fields["max_reject_share"].description
-                       + " (default 0.05)")
-    build.add_argument("--csv-image-key", help="CSV column of image paths (default filepath; --format csv only)")
-    build.add_argument("--csv-caption-key", help="CSV column of captions (default title; --format csv only)")
-    build.add_argument("--csv-separator", help="CSV separator, escapes allowed (default '\\t'; --format csv only)")
+    for name, field in BuildConfig.model_fields.items():
+        default = "" if field.is_required() or field.default is None else f" (default {field.default!r})"
+        options = {"help": field.description + default, "type": _field_type(field.annotation)}
+        if name == "format":
+            options = {"choices": DATA_FORMATS.names(),
+                       "help": "; ".join(f"{name}: {fmt.description}" for name, fmt in DATA_FORMATS.items())}
+        (size if name in SHARD_SIZE_FIELDS else build).add_argument(
+            "--" + name.replace("_", "-"), required=field.is_required(), **options)
     build.add_argument("--ray-address", help="join this Ray cluster (default: RAY_ADDRESS, else a local instance)")
+    build.set_defaults(func=_shards_build)
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=location_arg)
     inspect.add_argument("--samples", type=int, default=4, help="rows to print")
     inspect.add_argument("--sheet", type=Path, help="contact sheet PNG (default DIR/contact_sheet.png)")
+    inspect.set_defaults(func=_shards_inspect)
 
 
 def _add_model_source(parser: argparse.ArgumentParser) -> None:
@@ -277,33 +291,64 @@ def _add_model_source(parser: argparse.ArgumentParser) -> None:
                         help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
 
+def add_overrides(parser: argparse.ArgumentParser,
+                  help: str = "dotted override, e.g. --set loss.margin=0.3 (repeatable)") -> None:
+    """``--set KEY=VALUE`` (repeatable) into ``args.overrides``."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from pairsim import doctor
+
+    findings = doctor.diagnose(load_config(args.config, args.overrides))
+    print(doctor.report(findings))
+    return 1 if any(f.blocking for f in findings) else 0
+
+
+def _registry(args: argparse.Namespace) -> None:
+    from pairsim import registry
+
+    print(registry.markdown())
+
+
+def _synth(args: argparse.Namespace) -> None:
+    from pairsim.data import synth
+
+    manifest = synth.generate(args.out, num_train=args.num_train, num_val=args.num_val, num_test=args.num_test,
+                              image_size=args.image_size, seed=args.seed, rows_per_shard=args.rows_per_shard,
+                              hard_negatives=args.hard_negatives, captions=args.captions)
+    print(f"wrote {args.out}: " + ", ".join(f"{s} {c.images} images" for s, c in manifest.splits.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``pairsim`` parser: each command's parser names the function that runs it (``func``)."""
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
     parser.add_argument("--log-level", type=str.upper, choices=log.LEVELS,
                         help=f"pairsim's log level (default: ${log.ENV_VAR}, else INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
-    set_help = "dotted override, e.g. --set loss.margin=0.3 (repeatable)"
 
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
     demo.add_argument("--objective", help="layer a shipped objective preset: "
                                            + ", ".join(shipped_objectives()))
     demo.add_argument("--sweep", action="store_true", help="instead of one run, a small ASHA sweep over the Unified "
                                                            "loss's margin and scale (configs/demo_sweep.yaml)")
-    demo.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    add_overrides(demo)
+    demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="train from a YAML run config")
     train.add_argument("--config", type=Path, action="append", required=True,
                        help="YAML run config; repeat to layer files left to right")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    add_overrides(train)
+    train.set_defaults(func=lambda args: _train(load_config(args.config, args.overrides)))
 
     sweep = sub.add_parser("tune", help="a Ray Tune sweep from a search-space file (tune_spaces/*.yaml)")
     sweep.add_argument("--space", type=Path, required=True, help="sweep file: base config, space, sweep settings")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override: sweep.* and space.* keys change the sweep file (e.g. sweep.num_samples=4), "
-                            "others its base run config (e.g. train.epochs=3)")
+    add_overrides(sweep, help="override: sweep.* and space.* keys change the sweep file (e.g. sweep.num_samples=4), "
+                              "others its base run config (e.g. train.epochs=3)")
     names = sweep.add_mutually_exclusive_group()
     names.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
     names.add_argument("--resume", metavar="NAME", help="continue the sweep NAME after a crash (it must exist)")
+    sweep.set_defaults(func=lambda args: _tune(args.space, args.overrides, args.name, args.resume))
 
     extract = sub.add_parser("extract-teacher", help="embed a dataset with the run's CUSA teachers, to train from disk")
     extract.add_argument("--config", type=Path, action="append", required=True,
@@ -312,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--splits", nargs="+", default=None, help="splits to embed (default: data.train_split)")
     extract.add_argument("--batch-size", type=int, default=64)
     extract.add_argument("--concurrency", type=int, default=1, help="Ray Data actors running the teachers")
-    extract.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    add_overrides(extract)
+    extract.set_defaults(func=_extract_teacher)
 
     add_shards_parser(sub)
 
@@ -323,31 +369,35 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--split", default="test")
     evaluate.add_argument("--batch-size", type=int, default=256)
     evaluate.add_argument("--concurrency", type=int, default=1, help="Ray Data actors embedding the split")
-    evaluate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="run-config override, e.g. --set eval.ks=[1,5]")
+    add_overrides(evaluate, help="run-config override, e.g. --set eval.ks=[1,5]")
+    evaluate.set_defaults(func=_evaluate)
 
     export = sub.add_parser("export", help="open_clip weights (+ heads side file) from a checkpoint or run")
     _add_model_source(export)
     export.add_argument("--out", type=Path, required=True, help="weights file, e.g. model.pt")
     export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
                                                              "it under NAME in MLflow's model registry")
+    export.set_defaults(func=_export)
 
     ckpts = sub.add_parser("checkpoints", help="a run's checkpoints: list them, or verify files and checksums "
                                                "(exit 1 when one fails)").add_subparsers(dest="checkpoints_command",
                                                                                          required=True)
     for name, help_text in (("list", "epoch, step, val metric and state of each checkpoint, newest first"),
                             ("verify", "every file there, matching its checksum, loadable without running code")):
-        ckpts.add_parser(name, help=help_text).add_argument(
+        command = ckpts.add_parser(name, help=help_text)
+        command.add_argument(
             "path", help="a run directory (<ray.storage_path>/<run name>) or one checkpoint_* in it (path or URI)")
+        command.set_defaults(func=_checkpoints)
 
     doctor = sub.add_parser("doctor", help="what this machine and cluster give a run, and whether the config's "
                                            "choices (GPUs, precision, optimizer, storage) can run; exit 1 if not")
     doctor.add_argument("--config", type=Path, action="append", help="YAML run config (default: the built-in "
                                                                       "defaults); repeat to layer files")
-    doctor.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    add_overrides(doctor)
+    doctor.set_defaults(func=_doctor)
 
     sub.add_parser("registry", help="every extension point (losses, structures, fusions, teachers, data "
-                                    "formats, metric families) and what is registered in it")
+                                    "formats, metric families) and what is registered in it").set_defaults(func=_registry)
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
@@ -363,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "one object's colour, one object's shape or the relation, with near-duplicate captions")
     synth.add_argument("--captions", choices=["scene", "object_labels"], default="scene",
                        help="scene: 5 captions an image; object_labels: one text naming its objects' colours and shapes")
+    synth.set_defaults(func=_synth)
     return parser
 
 
@@ -370,40 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         log.setup(args.log_level)
-        if args.command == "demo":
-            _demo(args.objective, args.overrides, args.sweep)
-        elif args.command == "train":
-            _train(load_config(args.config, args.overrides))
-        elif args.command == "tune":
-            _tune(args.space, args.overrides, args.name, args.resume)
-        elif args.command == "extract-teacher":
-            _extract_teacher(load_config(args.config, args.overrides), args)
-        elif args.command == "shards":
-            _shards(args)
-        elif args.command == "evaluate":
-            _evaluate(args)
-        elif args.command == "export":
-            _export(args)
-        elif args.command == "checkpoints":
-            return _checkpoints(args)
-        elif args.command == "doctor":
-            from pairsim import doctor
-
-            findings = doctor.diagnose(load_config(args.config, args.overrides))
-            print(doctor.report(findings))
-            return 1 if any(f.blocking for f in findings) else 0
-        elif args.command == "registry":
-            from pairsim import registry
-
-            print(registry.markdown())
-        elif args.command == "data":
-            from pairsim.data import synth
-
-            manifest = synth.generate(args.out, num_train=args.num_train, num_val=args.num_val,
-                                      num_test=args.num_test, image_size=args.image_size, seed=args.seed,
-                                      rows_per_shard=args.rows_per_shard, hard_negatives=args.hard_negatives,
-                                      captions=args.captions)
-            print(f"wrote {args.out}: " + ", ".join(f"{s} {c.images} images" for s, c in manifest.splits.items()))
+        return args.func(args) or 0
     except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM
@@ -415,7 +433,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pairsim: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 def _reported_errors() -> tuple[type[Exception], ...]:
