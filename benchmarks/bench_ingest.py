@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
-from pairsim.data import ingest, shards, synth
+from pairsim.data import builder, ingest, shards, synth
 from pairsim.config import BuildConfig, RunConfig
 
 
@@ -43,7 +43,7 @@ def make_photos(out: Path, images: int) -> Path:
             Image.fromarray(pixels).save(src / f"{i:05d}.jpg", quality=90)
             f.write(json.dumps({"file": f"{i:05d}.jpg",
                                 "captions": [f"photo {i} number {k} of a colourful field" for k in range(5)]}) + "\n")
-    shards.build(BuildConfig(format="folder", input=src / "captions.jsonl", out=out, rows_per_shard=256,
+    builder.build(BuildConfig(format="folder", input=src / "captions.jsonl", out=out, rows_per_shard=256,
                              max_side=512))
     return out
 

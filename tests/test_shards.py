@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pairsim.data import shards
+from pairsim.data import builder, shards
 from pairsim.config import BuildConfig, ConfigError
 
 NON_ASCII = "un café ☕ à Zürich, 東京の夜"
@@ -153,7 +153,7 @@ def _build(fmt: str, tmp: Path, **options):
     source, images_root = FORMATS[fmt](tmp / "src")
     cfg = BuildConfig(format=fmt, input=source, images_root=images_root, out=tmp / "out", max_side=MAX_SIDE,
                       **({"max_reject_share": 0.5} | options))
-    return cfg, shards.build(cfg, progress=False)
+    return cfg, builder.build(cfg, progress=False)
 
 
 def _rows(root: Path, split: str) -> list[dict]:
@@ -229,7 +229,7 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
 
 
 def test_too_many_rejects_fail_the_build_naming_the_reasons(ray_instance, tmp_path):
-    with pytest.raises(shards.BuildError, match=r"of the images were rejected.*corrupt image") as err:
+    with pytest.raises(builder.BuildError, match=r"of the images were rejected.*corrupt image") as err:
         _build("csv", tmp_path, max_reject_share=0.05)
     assert "max_reject_share" in str(err.value) and "rejects.jsonl" in str(err.value)
     assert (tmp_path / "out" / shards.REJECTS).is_file()
@@ -242,13 +242,13 @@ def test_bad_options_and_unreadable_inputs_are_named(tmp_path):
     with pytest.raises(ConfigError, match="format"):
         BuildConfig.from_args(format="tsv", input=tmp_path, out=tmp_path)
     (tmp_path / "list.csv").write_text("path,text\na.jpg,hello\n")
-    with pytest.raises(shards.BuildError, match="lacks the image column 'filepath'"):
-        shards.build(BuildConfig(format="csv", input=tmp_path / "list.csv", out=tmp_path / "o"), progress=False)
-    with pytest.raises(shards.BuildError, match="no such file"):
-        shards.build(BuildConfig(format="folder", input=tmp_path / "nope.jsonl", out=tmp_path / "o"), progress=False)
+    with pytest.raises(builder.BuildError, match="lacks the image column 'filepath'"):
+        builder.build(BuildConfig(format="csv", input=tmp_path / "list.csv", out=tmp_path / "o"), progress=False)
+    with pytest.raises(builder.BuildError, match="no such file"):
+        builder.build(BuildConfig(format="folder", input=tmp_path / "nope.jsonl", out=tmp_path / "o"), progress=False)
     (tmp_path / "x.tar").write_bytes(b"\x1f\x8b compressed")
-    with pytest.raises(shards.BuildError, match="not an uncompressed tar"):
-        shards.build(BuildConfig(format="webdataset", input=tmp_path / "x.tar", out=tmp_path / "o"), progress=False)
+    with pytest.raises(builder.BuildError, match="not an uncompressed tar"):
+        builder.build(BuildConfig(format="webdataset", input=tmp_path / "x.tar", out=tmp_path / "o"), progress=False)
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -279,12 +279,12 @@ def test_a_killed_build_resumes_to_the_same_output(tmp_path):
     proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 300
-    while len(list(killed.glob(f"{shards.MARKERS}/train/*.json"))) < 10:
+    while len(list(killed.glob(f"{builder.MARKERS}/train/*.json"))) < 10:
         assert proc.poll() is None and time.time() < deadline, "the build ended before it could be killed"
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray instance it started
     proc.wait()
-    done_at_kill = len(list(killed.glob(f"{shards.MARKERS}/train/*.json")))
+    done_at_kill = len(list(killed.glob(f"{builder.MARKERS}/train/*.json")))
     assert done_at_kill < 120 and not (killed / shards.MANIFEST).exists()
 
     resumed = subprocess.run(command(killed), check=True, env=env, capture_output=True, text=True)
@@ -328,7 +328,7 @@ def test_train_and_val_from_two_csvs_share_a_directory_and_leave_each_other_alon
     out = tmp_path / "out"
 
     def build(csv_path, split, **options):
-        return shards.build(BuildConfig(format="csv", input=csv_path, out=out, split=split,
+        return builder.build(BuildConfig(format="csv", input=csv_path, out=out, split=split,
                                         **({"max_reject_share": 0.5} | options)), progress=False)
 
     first = build(train_csv, "train")
@@ -347,7 +347,7 @@ def test_train_and_val_from_two_csvs_share_a_directory_and_leave_each_other_alon
     assert again.split("val").images == 2 and len(shards.split_files(out, "val")) == 1
     assert again.split("train") == first.split("train") and _tree(out / "train") == train_files
 
-    with pytest.raises(shards.BuildError, match="rejected"):  # a failed val build: train stays usable
+    with pytest.raises(builder.BuildError, match="rejected"):  # a failed val build: train stays usable
         build(_csv(tmp_path / "bad.csv", {"nope.png": ["x"], names[9]: ["y"]}), "val", max_reject_share=0.1)
     assert sorted(shards.read_manifest(out).splits) == ["train"]
     assert len(shards.split_files(out, "train")) == first.split("train").shards
@@ -360,7 +360,7 @@ def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_in
     csv_path = _csv(tmp_path / "all.csv", images)
 
     def build(out, seed):
-        manifest = shards.build(BuildConfig(format="csv", input=csv_path, out=out, val_share=0.25, val_seed=seed),
+        manifest = builder.build(BuildConfig(format="csv", input=csv_path, out=out, val_share=0.25, val_seed=seed),
                                 progress=False)
         return manifest, {split: {r["image_id"]: r["captions"] for r in _rows(out, split)} for split in manifest.splits}
 
@@ -371,8 +371,8 @@ def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_in
     assert 3 <= len(rows["val"]) <= 18  # 10 expected of 40
     assert build(tmp_path / "b", 0)[1] == rows  # the same draw again
     assert build(tmp_path / "c", 1)[1]["val"].keys() != rows["val"].keys()
-    with pytest.raises(shards.BuildError, match="--val-share: .* already gives the splits train, val"):
-        shards.build(BuildConfig(format="karpathy", input=make_karpathy(tmp_path / "k")[0],
+    with pytest.raises(builder.BuildError, match="--val-share: .* already gives the splits train, val"):
+        builder.build(BuildConfig(format="karpathy", input=make_karpathy(tmp_path / "k")[0],
                                  images_root=tmp_path / "k" / "images", out=tmp_path / "k-out", val_share=0.1,
                                  max_reject_share=0.5), progress=False)
 
@@ -384,7 +384,7 @@ def test_a_split_name_cannot_leave_the_output(split, ray_instance, tmp_path):
     entries["images"][0]["split"] = split
     path.write_text(json.dumps(entries))
     out = tmp_path / "deep" / "out"
-    manifest = shards.build(BuildConfig(format="karpathy", input=path, images_root=images_root, out=out,
+    manifest = builder.build(BuildConfig(format="karpathy", input=path, images_root=images_root, out=out,
                                         max_reject_share=0.5), progress=False)
     assert split not in manifest.splits
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["out"] and not (tmp_path / "escaped").exists()

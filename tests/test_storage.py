@@ -18,7 +18,7 @@ import pytest
 from conftest import S3_ENV
 from pairsim import storage
 from pairsim.config import BuildConfig, ConfigError, load_config
-from pairsim.data import shards
+from pairsim.data import builder, shards
 from pairsim.storage import Location
 
 SECRET, KEY_ID = S3_ENV["AWS_SECRET_ACCESS_KEY"], S3_ENV["AWS_ACCESS_KEY_ID"]
@@ -193,8 +193,8 @@ def _tree(root: Path) -> dict[str, bytes]:
 def test_shards_built_into_a_bucket_equal_a_local_build(ray_instance, bucket, tmp_path):
     source = _folder_source(tmp_path / "src", 12)
     options = dict(format="folder", input=source, rows_per_shard=5, val_share=0.25, max_reject_share=0.5)
-    local = shards.build(BuildConfig(out=tmp_path / "local", **options), progress=False)
-    remote = shards.build(BuildConfig(out=f"{bucket}/data", **options), progress=False)
+    local = builder.build(BuildConfig(out=tmp_path / "local", **options), progress=False)
+    remote = builder.build(BuildConfig(out=f"{bucket}/data", **options), progress=False)
     assert remote == local and remote.rejected == 1
     assert _tree(download(Location.of(f"{bucket}/data"), tmp_path / "copy")) == _tree(tmp_path / "local")
     assert shards.split_files(f"{bucket}/data", "train")[0].startswith(f"{bucket}/data/train/part-")
@@ -209,7 +209,7 @@ def test_a_build_into_a_bucket_killed_midway_resumes_to_the_same_output(bucket, 
     """One image per shard, 60 shards, built by the CLI in its own process and Ray instance."""
     source = _folder_source(tmp_path / "src", 60)
     out = Location.of(f"{bucket}/killed")
-    markers = out / shards.MARKERS / "train"
+    markers = out / builder.MARKERS / "train"
 
     def command(target):
         return [sys.executable, "-m", "pairsim.cli", "shards", "build", "--format", "folder", "--input", str(source),

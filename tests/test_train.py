@@ -314,7 +314,7 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
     from PIL import Image
 
     from pairsim.config import BuildConfig
-    from pairsim.data import shards
+    from pairsim.data import builder
 
     rng = np.random.default_rng(0)
     (tmp_path / "imgs").mkdir()
@@ -333,8 +333,8 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
                 info.size = len(raw)
                 tar.addfile(info, io.BytesIO(raw))
     data = tmp_path / "data"
-    shards.build(BuildConfig(format="csv", input=csv, out=data, val_share=0.2), progress=False)
-    built = shards.build(BuildConfig(format="webdataset", input=tmp_path / "test.tar", out=data, split="test"),
+    builder.build(BuildConfig(format="csv", input=csv, out=data, val_share=0.2), progress=False)
+    built = builder.build(BuildConfig(format="webdataset", input=tmp_path / "test.tar", out=data, split="test"),
                          progress=False)
     assert {s: c.images == c.captions for s, c in built.splits.items()} == {
         "train": True, "val": True, "test": True}

@@ -14,7 +14,7 @@ from typing import Any
 
 from pairsim import log, storage
 from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
-from pairsim.data.shards import BuildError
+from pairsim.data.builder import BuildError
 from pairsim.jobs import JobStopped
 from pairsim.registry import DATA_FORMATS
 
@@ -224,14 +224,14 @@ def _shards_inspect(args: argparse.Namespace) -> None:
 
 
 def _shards_build(args: argparse.Namespace) -> None:
-    from pairsim.data import shards
+    from pairsim.data import builder, shards
 
     cfg = BuildConfig.from_args(**{name: getattr(args, name) for name in BuildConfig.model_fields})
     if args.ray_address:
         from pairsim import cluster
 
         cluster.join_cluster(args.ray_address)
-    manifest = shards.build(cfg)
+    manifest = builder.build(cfg)
     print(f"wrote {cfg.out}: " + ", ".join(f"{s} {c.images:,} images / {c.captions:,} captions in "
                                            f"{c.shards} shards" for s, c in sorted(manifest.splits.items()))
           + f"; {manifest.rejected} rejected (listed in {storage.Location.of(cfg.out) / shards.REJECTS})")
