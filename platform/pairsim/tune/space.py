@@ -500,16 +500,35 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     """Read and validate a sweep file; ``overrides`` (``--set``) starting with ``sweep.`` or
     ``space.`` apply to the sweep file, the others to its base run config.
 
+    The steps: the file with its own overrides (:func:`_read_sweep_file`), its space and sections
+    (:func:`_read_sections`), the base run config (:func:`_base_config`), then the settings
+    (:func:`_check_settings`) and every space key and point (:func:`_check_space`) against it.
     Raises :class:`ConfigError` listing every problem at once, each with its path in the file.
     """
     path = Path(path)
+    errors: list[str] = []
+    raw, base_sets = _read_sweep_file(path, overrides or [], errors)
+    listed = isinstance(raw["space"], list)
+    spaces, file = _read_sections(raw, errors)
+    keys = list(dict.fromkeys(key for space in spaces for key in space))
+    tree, base = _base_config(path, file, base_sets, keys, errors)
+    sweep = Sweep(str(path), tree, base, tuple(spaces), file.sweep)
+    _check_settings(sweep, listed, keys, errors)
+    _check_space(sweep, errors)
+    if errors:
+        raise ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors))
+    return sweep
+
+
+def _read_sweep_file(path: Path, overrides: list[str], errors: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The sweep file as read, with the ``sweep.``/``space.`` overrides applied; the overrides left
+    for the base run config."""
     raw = read_yaml(path)
     for section in ("space", "sweep"):  # written with no value: empty
         if raw.get(section) is None:
             raw[section] = {}
-    sweep_sets = [o for o in overrides or [] if o.split("=", 1)[0].strip().split(".")[0] in ("sweep", "space")]
-    base_sets = [o for o in overrides or [] if o not in sweep_sets]
-    errors: list[str] = []
+    sweep_sets = [o for o in overrides if o.split("=", 1)[0].strip().split(".")[0] in ("sweep", "space")]
+    base_sets = [o for o in overrides if o not in sweep_sets]
     for item in sweep_sets:  # space.loss.margin={uniform: [0, 0.3]}: the key after space. is one dotted key
         key, _, value = item.partition("=")
         if key.strip().startswith("space."):
@@ -517,12 +536,16 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
             errors += [why] if why else []
         else:
             apply_overrides(raw, [item])
-    listed = isinstance(raw["space"], list)
+    return raw, base_sets
+
+
+def _read_sections(raw: dict[str, Any], errors: list[str]) -> tuple[list[Space], SweepFile]:
+    """The spaces and the file's sections, each validated alone (all their errors at once; a bad
+    field left out so the rest can still be checked)."""
     spaces, space_errors = _read_spaces(raw["space"])
     errors += space_errors
-    keys = list(dict.fromkeys(key for space in spaces for key in space))
     sections = {"space": {}}
-    for name, model in (("base", None), ("sweep", SweepSettings)):  # each alone: all their errors at once
+    for name, model in (("base", None), ("sweep", SweepSettings)):
         try:
             sections[name] = model.model_validate(raw.get(name) or {}) if model else raw.get(name) or {}
             SweepFile.model_validate({name: sections[name]})
@@ -531,7 +554,15 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
                        for e in exc.errors()]
             sections[name] = _without_bad_fields(model, raw.get(name) or {}, exc) if model else {}
     errors += [f"{key}: unknown key (a sweep file has base, space, sweep)" for key in raw if key not in sections]
-    file = SweepFile.model_validate(sections)
+    return spaces, SweepFile.model_validate(sections)
+
+
+def _base_config(path: Path, file: SweepFile, base_sets: list[str], keys: list[str],
+                 errors: list[str]) -> tuple[dict[str, Any], RunConfig]:
+    """The base run config, as a tree with absolute paths (trials layer their point on it) and
+    validated: its config files, its own keys, the overrides, the resources, the (first) metric,
+    and ASHA's longest trial as its epochs unless they are swept. Raises at once when it is not
+    valid: nothing else can be checked against it."""
     base_raw = dict(file.base)
     tree: dict[str, Any] = {}
     try:
@@ -561,9 +592,13 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
     tree = absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
     base = validate(tree, f"{path} base")
-    sweep = Sweep(str(path), tree, base, tuple(spaces), file.sweep)
+    return tree, base
 
-    settings = file.sweep
+
+def _check_settings(sweep: Sweep, listed: bool, keys: list[str], errors: list[str]) -> None:
+    """The settings against each other and the space: modes, scheduler and search, PBT's
+    mutations (added to the space when not in it: their first value drawn from them), ASHA."""
+    settings, spaces = sweep.settings, sweep.spaces
     if settings.mode is not None:
         given = [settings.mode] if isinstance(settings.mode, str) else settings.mode
         if len(given) != len(sweep.objectives) and not errors:
@@ -611,7 +646,14 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         errors.append(f"sweep.asha.grace_period: {settings.asha.grace_period} epochs is more than the "
                       f"{sweep.epochs} a trial runs")
 
-    flat = base.flat()
+
+
+def _check_space(sweep: Sweep, errors: list[str]) -> None:
+    """Every space key (and PBT mutation) is a key of the base config whose bounds, values and
+    sampled values give valid run configs; then (when they all do) a few points of each space."""
+    tree, spaces = sweep.base_tree, sweep.spaces
+    mutations = sweep.settings.pbt.mutations if sweep.settings.pbt else {}
+    flat = sweep.base.flat()
     bad_keys = set()
     for label, space in [*sweep.labelled(), ("sweep.pbt.mutations", mutations)]:
         for key, dist in space.items():
@@ -646,6 +688,3 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
                 errors.append(f"{label}: the point {point} gives an invalid run config: {why.strip()}")
                 if len(seen) == 3:
                     break
-    if errors:
-        raise ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors))
-    return sweep
