@@ -26,10 +26,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
-    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed for a 4th."""
+    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed for a 4th;
+    system metrics every 2 s (the default 10 s is longer than a one-epoch attempt here: whether
+    one sample or none landed in it depended on the machine's speed)."""
     work = tmp_path_factory.mktemp("zero2")
-    first = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3")))
-    resumed = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4")))
+    first = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3",
+                                                          "tracking.system_metrics_interval_s=2")))
+    resumed = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4",
+                                                            "tracking.system_metrics_interval_s=2")))
     return first, resumed, MlflowClient(first.tracking_uri)
 
 
