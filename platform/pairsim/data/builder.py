@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from pairsim.config import SPLIT_NAME, BuildConfig
 from pairsim.data import sources
-from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, SplitInfo, read_manifest, reject_summary,
+from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, reject_summary,
                                  shard_name, write_manifest, write_shard)
 from pairsim.registry import DATA_FORMATS
 from pairsim.storage import Location
@@ -197,7 +197,7 @@ def hold_out(records: list[sources.Record], share: float, seed: int, split: str 
     return [replace(r, split=split) if drawn(r.image_id) else r for r in records]
 
 
-def _other_splits(out: Location, built: list[str]) -> dict[str, SplitInfo]:
+def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
     """The splits of an existing dataset at ``out`` that this build leaves alone. The manifest
     is rewritten to list only them while the build runs (removed when there are none), so an
     interrupted build never leaves a manifest naming half-built shards."""
@@ -208,7 +208,7 @@ def _other_splits(out: Location, built: list[str]) -> dict[str, SplitInfo]:
     if manifest.schema_version != SCHEMA_VERSION:
         raise BuildError(f"{out}: its manifest has schema version {manifest.schema_version}, this pairsim "
                          f"writes {SCHEMA_VERSION}; build into a new directory")
-    others = {name: counts for name, counts in manifest.splits.items() if name not in built}
+    others = {name: counts.model_dump() for name, counts in manifest.splits.items() if name not in built}
     if others:
         write_manifest(out, manifest.source, others)
     else:

@@ -151,15 +151,15 @@ class Manifest(BaseModel):
         return self.splits[name]
 
 
-def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any] | SplitInfo],
+def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any]],
                    rejected: int | None = None, digests: dict[str, str] | None = None, **extra: Any) -> Manifest:
     """``manifest.json`` over ``splits`` (name → images, captions, shards, and optionally
     content_hash, rejected, source, build); a split's missing content hash is computed from
     its files; ``rejected`` (default: the splits' sum) is the lines of ``rejects.jsonl``.
     Written atomically: a reader sees the old manifest or the new one."""
     root = Location.of(root)
-    splits = {name: {"rejected": 0, "source": source} | dict(counts)
-              | {"content_hash": dict(counts).get("content_hash") or split_content_hash(root, name, digests)}
+    splits = {name: {"rejected": 0, "source": source} | counts
+              | {"content_hash": counts.get("content_hash") or split_content_hash(root, name, digests)}
               for name, counts in splits.items()}
     manifest = {
         "schema_version": SCHEMA_VERSION,
