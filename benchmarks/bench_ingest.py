@@ -24,7 +24,8 @@ import torch
 from PIL import Image
 
 from pairsim.data import builder, ingest, shards, synth
-from pairsim.config import BuildConfig, RunConfig
+from pairsim.config import RunConfig
+from pairsim.data.build_config import BuildConfig
 
 
 def make_photos(out: Path, images: int) -> Path:

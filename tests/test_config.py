@@ -273,7 +273,7 @@ def test_shards_build_flags_are_build_configs_fields_with_their_help_and_default
     import argparse
 
     from pairsim.cli import build_parser
-    from pairsim.config import BuildConfig
+    from pairsim.data.build_config import BuildConfig
 
     parser = build_parser()
     build = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["shards"]

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pairsim.cli import add_shards_parser
-from pairsim.config import BuildConfig, ConfigError, load_config
+from pairsim.config import ConfigError, load_config
+from pairsim.data.build_config import BuildConfig
 from pairsim.data import shards, sources
 from pairsim.eval import suite
 from pairsim.eval.report import format_report

@@ -18,7 +18,8 @@ import pytest
 from PIL import Image
 
 from pairsim.data import builder, shards
-from pairsim.config import BuildConfig, ConfigError
+from pairsim.config import ConfigError
+from pairsim.data.build_config import BuildConfig
 
 NON_ASCII = "un café ☕ à Zürich, 東京の夜"
 CP1252 = "naïve résumé"  # written as cp1252 bytes where the format allows raw bytes

@@ -17,7 +17,8 @@ import pytest
 
 from conftest import S3_ENV
 from pairsim import storage
-from pairsim.config import BuildConfig, ConfigError, load_config
+from pairsim.config import ConfigError, load_config
+from pairsim.data.build_config import BuildConfig
 from pairsim.data import builder, shards
 from pairsim.storage import Location
 

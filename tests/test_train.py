@@ -317,7 +317,7 @@ def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_i
     import numpy as np
     from PIL import Image
 
-    from pairsim.config import BuildConfig
+    from pairsim.data.build_config import BuildConfig
     from pairsim.data import builder
 
     rng = np.random.default_rng(0)

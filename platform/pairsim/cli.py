@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from pairsim import log, storage
-from pairsim.config import BuildConfig, ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
+from pairsim.config import ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
+from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
 from pairsim.jobs import JobStopped
 from pairsim.registry import DATA_FORMATS
@@ -258,7 +259,7 @@ def _field_type(annotation: Any) -> Callable[[str], Any]:
 
 def add_shards_parser(sub) -> None:
     """``shards build`` and ``shards inspect`` (also used by pipelines/prepare_data.py). ``build``'s
-    flags are :class:`~pairsim.config.BuildConfig`'s fields (``--images-root`` for
+    flags are :class:`~pairsim.data.build_config.BuildConfig`'s fields (``--images-root`` for
     ``images_root``), their types, help and defaults read from it."""
     shards = sub.add_parser("shards", help="build Parquet shards from a dataset, or inspect them")
     commands = shards.add_subparsers(dest="shards_command", required=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -88,12 +88,23 @@ class Registry(Generic[T]):
         return ", ".join(shown) or "—"
 
 
+class MetricFamilies(Registry):
+    """The registry of the evaluation suite's metric families (each a
+    :class:`pairsim.eval.suite.MetricFamily`), which also lists what they report together."""
+
+    def reported(self, ks: tuple[int, ...] | list[int], facts: Any = None) -> dict[str, str | None]:
+        """Every metric the registered families report for ``ks`` on data with ``facts`` (a
+        :class:`pairsim.eval.suite.DataFacts`; None: on some data), in registration order, each
+        with its mode: ``max``, ``min`` or None for a count no checkpoint is selected by."""
+        return {name: mode for _, family in self.items() for name, mode in family().names(tuple(ks), facts).items()}
+
+
 BASE_LOSSES: Registry = Registry("loss.base", "pairsim.losses.modules")
 STRUCTURES: Registry = Registry("loss.structure", "pairsim.losses.modules")
 FUSIONS: Registry = Registry("model.fusion", "pairsim.models.fusion")
 TEACHERS: Registry = Registry("loss.cusa.*_teacher.kind", "pairsim.teachers.encoders")
 DATA_FORMATS: Registry = Registry("--format", "pairsim.data.sources")
-METRICS: Registry = Registry("eval.select_metric", "pairsim.eval.suite")
+METRICS: MetricFamilies = MetricFamilies("eval.select_metric", "pairsim.eval.suite")
 
 ALL = {"Base losses": BASE_LOSSES, "Similarity structures": STRUCTURES, "Fusions": FUSIONS, "Teachers": TEACHERS,
        "Data formats": DATA_FORMATS, "Metric families": METRICS}

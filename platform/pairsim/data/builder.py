@@ -24,8 +24,8 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
-from pairsim.config import SPLIT_NAME, BuildConfig
 from pairsim.data import sources
+from pairsim.data.build_config import SPLIT_NAME, BuildConfig
 from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, reject_summary,
                                  shard_name, write_manifest, write_shard)
 from pairsim.registry import DATA_FORMATS

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pairsim.config import reported_metrics
 from pairsim.eval.metrics import Metrics, blocked_retrieval_metrics
 from pairsim.registry import METRICS
 
@@ -274,8 +273,9 @@ class ModalityGridFamily(MetricFamily):
 def metric_names(ks: Sequence[int], facts: DataFacts | None = None) -> dict[str, Mode]:
     """Every metric the suite reports for ``ks`` — on data with ``facts``, or on some data when
     None — each with its mode (``max``, ``min``, or None for a count), from the registered
-    families in order (:func:`pairsim.config.reported_metrics`)."""
-    return reported_metrics(tuple(ks), facts)
+    families in order (:meth:`pairsim.registry.MetricFamilies.reported`, which the config
+    validates ``eval.select_metric`` against)."""
+    return METRICS.reported(ks, facts)
 
 
 def selectable_metrics(ks: Sequence[int], facts: DataFacts | None = None) -> dict[str, str]:

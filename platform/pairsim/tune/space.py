@@ -48,7 +48,8 @@ import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, absolute_paths, apply_overrides,
-                            flatten, layer, read_yaml, reported_metrics, set_dotted, validate)
+                            flatten, layer, read_yaml, set_dotted, validate)
+from pairsim.registry import METRICS
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 SHIPPED_PREFIX = "pairsim:"
@@ -390,7 +391,7 @@ class Sweep:
     def objectives(self) -> list[tuple[str, str]]:
         """(reported metric, mode) of each objective: :attr:`metric` first, then the others of a
         multi-objective ``sweep.metric`` list."""
-        modes = reported_metrics(self.base.eval.ks)
+        modes = METRICS.reported(self.base.eval.ks)
         return [(self.metric, self.mode)] + [(f"val/{m}", modes.get(m)) for m in (self.settings.metrics or [])[1:]]
 
     @property

@@ -1,69 +1,21 @@
-"""Typed, validated run configuration.
-
-A run is described by one YAML file (see ``configs/demo.yaml``) plus dotted command-line
-overrides (``--set loss.margin=0.3``). Everything is validated on the driver, before Ray
-starts: unknown keys and bad values are all reported at once, each with its dotted path.
-"""
+"""The run configuration's schema: one typed, validated section per concern (data, model, loss,
+optimizer, training, evaluation, tracking, Ray) and :class:`RunConfig`, all of them together."""
 
 from __future__ import annotations
 
-import codecs
-import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, Strict, ValidationError, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
-from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
+from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pairsim import storage
-from pairsim.registry import BASE_LOSSES, DATA_FORMATS, FUSIONS, METRICS, STRUCTURES, TEACHERS, Registry
+from pairsim.config.fields import Bool, ConfigError, Float, Int, PathOrUri, Section, format_errors, registered
+from pairsim.config.params import WithParams
+from pairsim.config.tree import MISSING, flatten, get_dotted, set_dotted
+from pairsim.registry import BASE_LOSSES, FUSIONS, METRICS, STRUCTURES, TEACHERS
 
-# Numbers and flags are taken as written: no bool for a number, no string for either, no float
-# for an int (an int for a float is fine: ``lr: 1``); floats must be finite (``allow_inf_nan``).
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
-
-
-def _path_or_uri(value: Any) -> Any:
-    try:
-        return storage.parse(value) if isinstance(value, (str, Path)) else value
-    except ValueError as exc:
-        raise PydanticCustomError("location", "{problem}", {"problem": str(exc)}) from None
-
-
-PathOrUri = Annotated[Path | str, BeforeValidator(_path_or_uri)]
-"""A local path (a ``Path``) or an object-store URI such as ``s3://bucket/key`` (a ``str``, see
-:mod:`pairsim.storage`): the scheme is checked and credentials in it are refused."""
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message lists every problem."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-Section = _Section
-"""The base of every config section, public for the ``Params`` of registered entries (base
-losses, structures, teachers): unknown keys refused, strict finite numbers."""
-
-
-def _registered(registry: Registry) -> AfterValidator:
-    """A name of ``registry``; others are refused naming the registered ones."""
-    def check(name: str) -> str:
-        if name not in registry:
-            raise PydanticCustomError("unregistered", "not a registered name (registered: {names})",
-                                      {"names": ", ".join(registry.names())})
-        return name
-    return AfterValidator(check)
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     """Where the Parquet shards are, how training pairs are drawn from them, and what Ray Data
     may use to decode, augment and tokenize them."""
 
@@ -105,7 +57,7 @@ class DataConfig(_Section):
         return "data.val_path" if self.val_path is not None and split != self.train_split else "data.path"
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """An open_clip architecture, randomly initialised or loaded from ``pretrained``."""
 
     arch: str = "pairsim-tiny"
@@ -115,7 +67,7 @@ class ModelConfig(_Section):
                           "`pairsim export` and every run's MLflow model/ artifacts hold) or a checkpoint directory; "
                           "its open_clip weights and the heads this config has are loaded, checked before Ray starts "
                           "(architecture, files, safe pickles). A plain open_clip weights file goes in pretrained")
-    fusion: Annotated[str, _registered(FUSIONS)] = Field(
+    fusion: Annotated[str, registered(FUSIONS)] = Field(
         "normalized_sum", description="fused image+text embedding for GCL, a name registered in "
                                       "pairsim.registry.FUSIONS (pairsim.models.fusion): normalized_sum "
                                       "or raw_sum (UniIR's CLIP-SF)")
@@ -145,7 +97,7 @@ class ModelConfig(_Section):
         return self
 
 
-class TemperatureConfig(_Section):
+class TemperatureConfig(Section):
     """A temperature τ owned by the loss: initial value, clamp range and whether it is learned."""
 
     init: Float = Field(0.05, gt=0.0)
@@ -168,98 +120,7 @@ def _cross_temperature() -> TemperatureConfig:
     return TemperatureConfig(init=0.45, min=0.1, max=0.99)  # the CUSA code's (image_tau_max + text_tau_max) / 2
 
 
-def _params_of(registry: Registry, name: Any) -> type[Section] | None:
-    """The ``Params`` of the entry registered as ``name``; None for a name that is not registered."""
-    return registry[name].Params if isinstance(name, str) and name in registry else None
-
-
-def _relocated(err: ValidationError) -> list[InitErrorDetails]:
-    """``err``'s errors, to raise again from a wrap validator: same type, message, place and input."""
-    return [{"type": PydanticCustomError(e["type"], e["msg"]), "loc": tuple(e["loc"]), "input": e["input"]}
-            for e in err.errors()]
-
-
-class _WithParams(_Section):
-    """A section whose entry (a base loss, a structure, a teacher) is chosen by name from a
-    :class:`~pairsim.registry.Registry` and owns its parameters: the entry's ``Params`` model.
-
-    Written flat, as the user writes it (``loss.margin``, not ``loss.base_params.margin``): on
-    validation the keys the chosen entries' ``Params`` know are split off and validated into
-    the params fields; keys that belong to another entry of the registry are refused naming the
-    chosen one; keys nobody knows stay unknown keys. Dumps put the params back flat after the
-    selectors, so a dump re-validates to an equal section.
-    """
-
-    # (params field, selector field, registry, how errors name the selector), in dump order
-    param_slots: ClassVar[tuple[tuple[str, str, Registry, str], ...]] = ()
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _split_params(cls, data: Any, handler):
-        if not isinstance(data, dict):
-            return handler(data)
-        given, data, errors = data, dict(data), []
-        chosen = {}
-        for params_field, selector, registry, _ in cls.param_slots:
-            default = cls.model_fields[selector].default
-            name = data.get(selector, None if default is PydanticUndefined else default)
-            chosen[params_field] = _params_of(registry, name), name
-            params = data.pop(params_field, None)  # a params object or dict passed programmatically
-            data[params_field] = (params.model_dump() if isinstance(params, BaseModel)
-                                  else dict(params) if isinstance(params, dict) else {})
-        for key in [k for k in data if k not in cls.model_fields]:
-            owner = next((f for f, (params, _) in chosen.items() if params and key in params.model_fields), None)
-            if owner is not None:
-                data[owner][key] = data.pop(key)
-                continue
-            for params_field, _, registry, what in cls.param_slots:
-                others = [n for n, entry in registry.items() if key in entry.Params.model_fields]
-                if not others:
-                    continue
-                params, name = chosen[params_field]
-                if params is None:  # the selector is wrong: that is the error to report
-                    data.pop(key)
-                    break
-                own = ", ".join(params.model_fields) or "none"
-                message = (f"not a parameter of {what} {name!r} (its parameters: {own}; "
-                           f"{key} belongs to {', '.join(map(repr, others))})")
-                errors.append({"type": PydanticCustomError("not_a_parameter", message), "loc": (key,),
-                               "input": data.pop(key)})
-                break
-        for params_field, (params, _) in chosen.items():
-            raw = data[params_field]
-            if params is None:
-                data[params_field] = Section.model_construct()
-                continue
-            try:
-                data[params_field] = params.model_validate(raw)
-            except ValidationError as exc:
-                errors += _relocated(exc)  # flat: loss.margin, not loss.base_params.margin
-                data[params_field] = params.model_construct()
-        try:
-            section = handler(data)
-        except ValidationError as exc:
-            # errors about the whole section (a missing key) show what was written, not the split
-            errors += [e | {"input": given} if e["input"] is data else e for e in _relocated(exc)]
-        if errors:
-            raise ValidationError.from_exception_data(cls.__name__, errors)
-        return section
-
-    @model_serializer(mode="wrap")
-    def _flat_params(self, handler) -> dict[str, Any]:
-        tree = handler(self)
-        params = [tree.pop(f, {}) for f, *_ in self.param_slots]
-        selectors = [key for key in tree if key in {selector for _, selector, *_ in self.param_slots}]
-        out = {}
-        for key, value in tree.items():
-            out[key] = value
-            if selectors and key == selectors[-1]:  # structure, base, margin, gamma, ...
-                for values in params:
-                    out |= values
-        return out
-
-
-class TeacherConfig(_WithParams):
+class TeacherConfig(WithParams):
     """A frozen uni-modal teacher for CUSA's soft labels: a ``kind`` registered in
     :data:`pairsim.registry.TEACHERS` (:mod:`pairsim.teachers.encoders`) and its parameters,
     written beside it.
@@ -272,11 +133,11 @@ class TeacherConfig(_WithParams):
 
     param_slots: ClassVar = (("params", "kind", TEACHERS, "kind"),)
 
-    kind: Annotated[str, _registered(TEACHERS)] = Field(frozen=True)
+    kind: Annotated[str, registered(TEACHERS)] = Field(frozen=True)
     params: SerializeAsAny[Section] = Field(description="the kind's Params, written flat beside kind")
 
 
-class CUSAConfig(_Section):
+class CUSAConfig(Section):
     """CUSA soft-label terms (Huang et al., AAAI 2024): total = w·base + α·CSA + β·USA.
 
     ``reduction`` sets w, how the base balances against α and β: ``pairsim`` (w = 1: the base as
@@ -319,7 +180,7 @@ class CUSAConfig(_Section):
         return self
 
 
-class LossConfig(_WithParams):
+class LossConfig(WithParams):
     """One objective: a base pairwise loss over a similarity structure, plus optional CUSA terms.
 
     ``base`` and ``structure`` name entries of :data:`pairsim.registry.BASE_LOSSES` and
@@ -334,15 +195,15 @@ class LossConfig(_WithParams):
     param_slots: ClassVar = (("base_params", "base", BASE_LOSSES, "loss.base"),
                              ("structure_params", "structure", STRUCTURES, "loss.structure"))
 
-    structure: Annotated[str, _registered(STRUCTURES)] = Field("image_text", frozen=True)
-    base: Annotated[str, _registered(BASE_LOSSES)] = Field("unified", frozen=True)
+    structure: Annotated[str, registered(STRUCTURES)] = Field("image_text", frozen=True)
+    base: Annotated[str, registered(BASE_LOSSES)] = Field("unified", frozen=True)
     local_loss: Bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
     cusa: CUSAConfig | None = None
     structure_params: SerializeAsAny[Section] = Field(description="the structure's Params, written flat")
     base_params: SerializeAsAny[Section] = Field(description="the base loss's Params, written flat")
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW with linear warm-up then cosine decay, both run by DeepSpeed."""
 
     lr: Float = Field(5e-4, gt=0.0)
@@ -370,18 +231,9 @@ DEEPSPEED_OWNED_KEYS = {
     "scheduler": "optim.*",
 }
 """DeepSpeed config keys that ``train.deepspeed`` may not set: pairsim derives them from the field named."""
-_MISSING = object()
 
 
-def _dotted_get(tree: Any, key: str) -> Any:
-    for part in key.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return _MISSING
-        tree = tree[part]
-    return tree
-
-
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """The distributed training loop."""
 
     num_workers: Int = Field(2, ge=1)
@@ -414,13 +266,13 @@ class TrainConfig(_Section):
     @classmethod
     def _no_owned_deepspeed_keys(cls, tree: dict[str, Any]) -> dict[str, Any]:
         owned = [f"{key} (set {field})" for key, field in DEEPSPEED_OWNED_KEYS.items()
-                 if _dotted_get(tree, key) is not _MISSING]
+                 if get_dotted(tree, key) is not MISSING]
         if owned:
             raise ValueError("pairsim sets these from its own fields: " + "; ".join(owned))
         return tree
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """The evaluation suite (:mod:`pairsim.eval`): on the val split after each epoch, and on
     the test split once, with the best checkpoint, at the end."""
 
@@ -436,7 +288,7 @@ class EvalConfig(_Section):
     def _known_metric(self) -> EvalConfig:
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError("ks must be a non-empty list of integers >= 1")
-        reported = reported_metrics(self.ks)
+        reported = METRICS.reported(self.ks)
         if self.select_metric not in reported:
             raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports for "
                              f"ks {list(self.ks)} (one of {', '.join(n for n, m in reported.items() if m)})")
@@ -449,17 +301,10 @@ class EvalConfig(_Section):
     def select_mode(self) -> str:
         """``min`` or ``max``: how ``select_metric`` picks the best checkpoint, as its metric family
         declares it (the lowest median rank, the highest of everything else)."""
-        return reported_metrics(self.ks)[self.select_metric]
+        return METRICS.reported(self.ks)[self.select_metric]
 
 
-def reported_metrics(ks: tuple[int, ...], facts: Any = None) -> dict[str, str | None]:
-    """Every metric the registered families of :data:`pairsim.registry.METRICS` report for ``ks``
-    on data with ``facts`` (a :class:`pairsim.eval.suite.DataFacts`; None: on some data), in
-    registration order, each with its mode: ``max``, ``min`` or None for a count."""
-    return {name: mode for _, family in METRICS.items() for name, mode in family().names(ks, facts).items()}
-
-
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow: URI from here, else ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``."""
 
     tracking_uri: str | None = Field(
@@ -489,7 +334,7 @@ def check_tracking_uri(uri: str) -> str:
 LABEL = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"  # a Ray node label's name or value
 
 
-class NodeRolesConfig(_Section):
+class NodeRolesConfig(Section):
     """Which nodes of a cluster do what, told by a node label (``ray start --labels
     pairsim-role=train``; cluster.yaml's node types set it): Ray Train's workers go to ``train``
     nodes, Ray Data's read and decode tasks and actors to ``data`` nodes (Ray's label selectors)."""
@@ -502,7 +347,7 @@ class NodeRolesConfig(_Section):
     data: str = Field("data", pattern=LABEL, description="its value on the nodes that run Ray Data's work")
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     """The Ray instance, the CPU split between Ray Data and the training workers, and storage."""
 
     address: str | None = Field(None, description="None starts a local instance; 'auto' joins one")
@@ -530,7 +375,7 @@ class RayConfig(_Section):
         return address
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """Everything one training job needs."""
 
     data: DataConfig = DataConfig()
@@ -561,105 +406,6 @@ class RunConfig(_Section):
         return validate(absolute_paths(self.model_dump(mode="json")), "the config with absolute paths")
 
 
-SPLIT_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"  # a directory name inside the dataset: no '..', no hidden name
-
-
-def _unescaped(value: Any) -> Any:
-    """A string's backslash escapes decoded (``\\t`` → tab), as a shell passes them on."""
-    return codecs.decode(value, "unicode_escape") if isinstance(value, str) else value
-
-
-class BuildConfig(_Section):
-    """One shard build (``pairsim shards build``): where the source is, where the shards go,
-    how big they are and how images are cleaned."""
-
-    format: Annotated[str, _registered(DATA_FORMATS)] = Field(
-        description="source format, a name registered in pairsim.registry.DATA_FORMATS (pairsim.data.sources)")
-    input: Path = Field(description="split file, CSV, JSONL, or a .tar / directory of .tar files")
-    out: PathOrUri = Field(description="dataset directory to write (DIR/<split>/part-NNNNN.parquet + manifest.json), "
-                                       "a path or a URI (s3://bucket/key)")
-    images_root: Path | None = Field(None, description="where relative image paths resolve (default: the input's directory)")
-    split: str = Field("train", pattern=SPLIT_NAME, description="split name for csv, webdataset, folder; other "
-                                                               "splits already in out are kept, so train and val can "
-                                                               "come from two files")
-    val_share: Float | None = Field(None, gt=0.0, lt=1.0, description="hold out this share of the images (all "
-                                    "their captions) as split val, seeded, when the source gives one split, e.g. 0.05")
-    val_seed: Int = Field(0, description="seed of the val_share draw")
-    rows_per_shard: Int | None = Field(None, ge=1, description="target shard size in images (instead of shard_mb)")
-    shard_mb: Float = Field(256.0, gt=0.0, description="target shard size in MB of source image bytes")
-    max_side: Int = Field(1024, ge=16, description="longer image sides are downscaled to this (aspect kept)")
-    jpeg_quality: Int = Field(95, ge=50, le=100, description="quality of images that must be re-encoded")
-    max_reject_share: Float = Field(0.05, ge=0.0, le=1.0, description="fail when more images or captions are rejected")
-    csv_image_key: str = Field("filepath", description="CSV column of image paths (format csv only)")
-    csv_caption_key: str = Field("title", description="CSV column of captions (format csv only)")
-    csv_separator: Annotated[str, BeforeValidator(_unescaped)] = Field(
-        "\t", min_length=1, max_length=1, description="CSV separator, escapes allowed: '\\t' (format csv only)")
-
-    @model_validator(mode="after")
-    def _options_of_the_format(self) -> BuildConfig:
-        """Options that belong to another format (e.g. csv_* with karpathy) are refused when set."""
-        own = DATA_FORMATS[self.format].options
-        foreign = sorted(name for name in self.model_fields_set if name not in own and any(
-            name in fmt.options for _, fmt in DATA_FORMATS.items()))
-        if foreign:
-            raise ValueError(f"{', '.join(foreign)}: only for format "
-                             + " / ".join(f for f, fmt in DATA_FORMATS.items() if foreign[0] in fmt.options)
-                             + f", not {self.format!r}")
-        return self
-
-    @classmethod
-    def from_args(cls, **values: Any) -> BuildConfig:
-        try:
-            return cls.model_validate({k: v for k, v in values.items() if v is not None})
-        except ValidationError as exc:
-            raise ConfigError(_format_errors(exc, "shards build options")) from None
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1 wants a dot,
-    ``1.0e-3``, and reads ``1e-3`` as a string); ``.inf`` and ``.nan`` stay floats (refused by
-    the config as not finite)."""
-
-
-_YamlLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:float"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
-                   |[-+]?\.(?:inf|Inf|INF)
-                   |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
-
-
-def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, path + "."))
-        else:
-            out[path] = value
-    return out
-
-
-def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    """``tree[a][b][c] = value`` for ``key`` ``a.b.c``, making sections on the way; raises
-    ValueError naming the prefix that is a value, not a section."""
-    parts = key.split(".")
-    node = tree
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"{'.'.join(parts[: depth + 1])} is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
 LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.teacher_features", "model.pretrained",
                    "model.init_from",
                    "loss.cusa.image_teacher.path", "loss.cusa.text_teacher.path")
@@ -679,115 +425,9 @@ def absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists."""
-    errors = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.margin=0.3")
-            continue
-        try:
-            set_dotted(tree, key.strip(), _yaml_load(raw) if raw.strip() else None)
-        except ValueError as exc:
-            errors.append(f"--set {item!r}: {exc}")
-    if errors:
-        raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
-    return tree
-
-
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown key")
-        else:
-            got = e.get("input")
-            lines.append(f"{path}: {e['msg']} (got {(storage.masked(got) if storage.is_uri(got) else got)!r})")
-    return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines)
-
-
-def merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """``overlay`` on ``base``: sections merge key by key, other values replace."""
-    out = dict(base)
-    for key, value in overlay.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def _section_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
-    """The section model of ``model``'s field ``key`` (``LossConfig | None`` → LossConfig), if any."""
-    field = model.model_fields.get(key)
-    if field is None:
-        return None
-    for kind in (field.annotation, *typing.get_args(field.annotation)):
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            return kind
-    return None
-
-
-def _drop_replaced_params(tree: Any, overlay: Any, model: type[BaseModel]) -> Any:
-    """``tree`` (the layers so far) without the parameters of entries ``overlay`` (the next
-    layer) replaces: where it names another ``loss.base``, ``loss.structure`` or teacher
-    ``kind``, the earlier layers' keys that belong to other entries of that registry and not to
-    the new one are dropped (``demo.yaml``'s ``margin`` under an objective with ``base: infonce``).
-    Keys written in the same layer as the new name are kept, so they are still refused."""
-    if not isinstance(tree, dict) or not isinstance(overlay, dict):
-        return tree
-    tree = dict(tree)
-    if issubclass(model, _WithParams):
-        for _, selector, registry, _ in model.param_slots:
-            default = model.model_fields[selector].default
-            if selector not in overlay or overlay[selector] == tree.get(selector, default):
-                continue
-            new = _params_of(registry, overlay[selector])
-            owned = set(new.model_fields) if new else set()
-            anyones = {key for _, entry in registry.items() for key in entry.Params.model_fields}
-            tree = {k: v for k, v in tree.items() if k not in anyones - owned}
-    for key, value in overlay.items():
-        section = _section_model(model, key)
-        if section is not None and key in tree:
-            tree[key] = _drop_replaced_params(tree[key], value, section)
-    return tree
-
-
-def read_yaml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}" + (f" (resolved against the working directory: "
-                                                             f"{path.resolve()})" if not path.is_absolute() else ""))
-    try:
-        loaded = _yaml_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if loaded is not None and not isinstance(loaded, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
-    return loaded or {}
-
-
-def layer(tree: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """``overlay`` (a nested config tree) laid on ``tree``: sections merge key by key; where the
-    overlay names another base loss, structure or teacher kind, the parameters earlier layers
-    gave the one it replaces are dropped."""
-    return merge(_drop_replaced_params(tree, overlay, RunConfig), overlay)
-
-
 def validate(tree: dict[str, Any], source: str) -> RunConfig:
     """``tree`` as a :class:`RunConfig`; :class:`ConfigError` naming every bad key, from ``source``."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, source)) from None
-
-
-def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load YAML (one file, several layered left to right, or the defaults when ``path`` is
-    None), apply overrides (the last layer), validate (see :func:`layer`).
-
-    Raises :class:`ConfigError` naming every bad or unknown dotted key at once.
-    """
-    paths = [] if path is None else [Path(p) for p in (path if isinstance(path, list) else [path])]
-    tree: dict[str, Any] = {}
-    for overlay in [read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [])]:
-        tree = layer(tree, overlay)
-    return validate(tree, " + ".join(str(p) for p in paths) or "defaults")
+        raise ConfigError(format_errors(exc, source)) from None
