@@ -1,10 +1,11 @@
 """The Ray cluster pairsim runs on: starting or joining it, and which of its nodes train and
 which feed them data. Every command reaches Ray through here.
 
-- **Starting and joining**: :func:`init_ray` joins ``ray.address`` (or ``RAY_ADDRESS``, set
-  inside a ``ray job submit`` job) with pairsim shipped to its workers (:func:`join_cluster`),
-  else starts a local instance sized for the run, every port on loopback
-  (:func:`start_local_instance`); :func:`join` joins a local instance as written. What every
+- **Starting and joining**: :func:`connect` joins an address (or ``RAY_ADDRESS``, set inside
+  a ``ray job submit`` job) with pairsim shipped to its workers (:func:`join_cluster`), else
+  starts a local instance, every port on loopback (:func:`start_local_instance`);
+  :func:`init_ray` does so for a run, sizing the local instance for it; :func:`join` joins a
+  local instance as written. What every
   worker process of a local instance runs first is :func:`address_own_cluster`.
 - **Node roles**: a cluster labels its nodes by role (cluster.yaml's node types, or ``ray start
   --labels pairsim-role=train``): Ray Train's workers run on ``train`` nodes, Ray Data's read and
@@ -138,11 +139,23 @@ def starts_local_instance(cfg: RunConfig) -> bool:
     return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
 
 
+def connect(address: str | None = None, listen_on_all_interfaces: bool = False, log_to_driver: bool = True,
+            **local_kwargs) -> None:
+    """Ray for this process, once: join ``address`` (None: ``RAY_ADDRESS``, set inside a ``ray
+    job submit`` job) with pairsim shipped to its workers (:func:`join_cluster`); with neither,
+    start a local instance with ``local_kwargs`` for ``ray.init``, listening on 127.0.0.1 unless
+    ``listen_on_all_interfaces`` (:func:`start_local_instance`). Nothing when Ray is up."""
+    if ray.is_initialized():
+        return
+    if address or os.environ.get("RAY_ADDRESS"):
+        join_cluster(address, log_to_driver=log_to_driver)
+    else:
+        start_local_instance(listen_on_all_interfaces, log_to_driver=log_to_driver, **local_kwargs)
+
+
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:
-    """Join ``ray.address`` (or ``RAY_ADDRESS``, set inside a ``ray job submit`` job) with
-    pairsim shipped to its workers (:func:`join_cluster`), else start a local
-    instance sized for ``concurrent_runs`` runs of ``run_cpus(cfg)`` each, listening on 127.0.0.1
-    unless ``ray.listen_on_all_interfaces`` (:func:`start_local_instance`).
+    """Ray for a run (:func:`connect` to ``ray.address``): a local instance is sized for
+    ``concurrent_runs`` runs of ``run_cpus(cfg)`` each.
 
     Train workers' CPUs are taken out of Ray Data's budget; the extra ``data_cpus`` are what
     keeps ingest running beside them (logical CPUs: they may exceed the cores). The local
@@ -152,14 +165,9 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
     batch; 1.7 s with them kept). ``cluster.yaml`` does the same with
     ``RAY_num_workers_soft_limit``."""
     ray.data.DataContext.get_current().enable_progress_bars = False
-    if ray.is_initialized():
-        return
-    if not starts_local_instance(cfg):
-        join_cluster(cfg.ray.address, log_to_driver=log_to_driver)
-    else:
-        cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
-        start_local_instance(cfg.ray.listen_on_all_interfaces, num_cpus=cpus, log_to_driver=log_to_driver,
-                             _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
+    cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
+    connect(cfg.ray.address, cfg.ray.listen_on_all_interfaces, log_to_driver, num_cpus=cpus,
+            _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
 
 
 @dataclass(frozen=True)

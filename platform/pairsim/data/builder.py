@@ -14,7 +14,6 @@ import collections
 import hashlib
 import io
 import json
-import os
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -280,10 +279,7 @@ def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
     bar = tqdm(total=len(plans), initial=len(plans) - len(pending), desc=f"shards {out.name}", unit="shard",
                disable=not progress)
     if pending:
-        if not ray.is_initialized() and os.environ.get("RAY_ADDRESS"):  # inside a job: its cluster
-            cluster.join_cluster(None)
-        elif not ray.is_initialized():
-            cluster.start_local_instance()
+        cluster.connect()  # a job's cluster, the one the CLI joined, or a local instance
         ray.data.DataContext.get_current().enable_progress_bars = False
         tasks = ray.data.from_items(pending, override_num_blocks=len(pending)).map(
             BuildShard(out, cfg.max_side, cfg.jpeg_quality), num_cpus=1)

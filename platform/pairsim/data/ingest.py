@@ -238,9 +238,10 @@ def map_shards(ds: ray.data.Dataset, fn, rows: int, cfg: RunConfig) -> ray.data.
 
 
 def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int | None | bool = False,
-               include_paths: bool = False) -> ray.data.Dataset:
+               include_paths: bool = False, data: shards.RunData | None = None) -> ray.data.Dataset:
     """A split's shards, only ``columns`` read; file order shuffled each epoch (seeded) unless
-    ``shuffle_seed`` is False.
+    ``shuffle_seed`` is False. The shards are checked against the manifest ``data`` holds (a run's,
+    read once by the driver), else against the one read from the split's dataset directory.
 
     Read with Ray Data's V1 Parquet datasource, one read task per shard: in Ray 2.60 the V2
     one packs files into 128 MB read tasks, so a small split becomes a single block that one
@@ -248,7 +249,8 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
     (~2 s). One block per file also lets Ray Data fuse the read with the ``map_batches`` that
     follow into one task per shard, with no hop through the object store between them.
     """
-    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split))
+    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split,
+                                                         data.manifest(split) if data else None))
     shuffle = None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed)
     context = ray.data.DataContext.get_current()
     v2, context.use_datasource_v2 = context.use_datasource_v2, False
@@ -260,7 +262,7 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
 
 
 def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None,
-                  store=None) -> ray.data.Dataset:
+                  store=None, data: shards.RunData | None = None) -> ray.data.Dataset:
     """Training pairs (see :class:`TrainPreprocess`), with CUSA's live ``teachers``' inputs or
     the extracted features of a ``store`` (:class:`~pairsim.teachers.store.TeacherStore`): file
     order shuffled and a uniform ``draw`` per image, both seeded by ``data.seed`` and new each
@@ -268,7 +270,7 @@ def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None
     from ray.data.expressions import random
 
     ds = read_split(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_seed=cfg.data.seed,
-                    include_paths=store is not None)
+                    include_paths=store is not None, data=data)
     ds = ds.with_column("draw", random(seed=cfg.data.seed, reseed_after_execution=True))
     return map_shards(ds, TrainPreprocess(cfg, ledger_name, teachers, store), cfg.train.micro_batch_size, cfg)
 
@@ -283,13 +285,13 @@ def execution_options(cfg: RunConfig, data_nodes: dict[str, str] | None = None,
         resource_limits=ray.data.ExecutionResources(cpu=cfg.data.max_cpus) if cfg.data.max_cpus else None)
 
 
-def eval_images(cfg: RunConfig, split: str, ledger_name: str) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image", "image_id", "label"]), EvalImages(cfg, ledger_name),
+def eval_images(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
+    return map_shards(read_split(cfg, split, ["image", "image_id", "label"], data=data), EvalImages(cfg, ledger_name),
                       cfg.eval.batch_size, cfg)
 
 
-def eval_texts(cfg: RunConfig, split: str) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image_id", "captions"]), EvalTexts(cfg.model.arch),
+def eval_texts(cfg: RunConfig, split: str, data: shards.RunData | None = None) -> ray.data.Dataset:
+    return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data), EvalTexts(cfg.model.arch),
                       cfg.eval.batch_size, cfg)
 
 

@@ -258,9 +258,11 @@ def read_table(files: list[Location], **options: Any) -> pa.Table:
     return pq.read_table(paths, filesystem=fs, **options)
 
 
-def label_and_caption_counts(root: LocationLike, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """Each image's class label and number of captions in one split (two small columns read)."""
-    table = read_table(split_shards(root, split), columns=["label", "captions"])
+def label_and_caption_counts(root: LocationLike, split: str,
+                             manifest: Manifest | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's class label and number of captions in one split (two small columns read),
+    its shards checked against ``manifest`` (read from ``root`` when not given)."""
+    table = read_table(split_shards(root, split, manifest), columns=["label", "captions"])
     return (table.column("label").to_numpy(zero_copy_only=False),
             pc.list_value_length(table.column("captions")).fill_null(0).to_numpy(zero_copy_only=False))
 

@@ -55,23 +55,24 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
 
 
 def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progress: bool = True,
-                        roles: NodeRoles | None = None, counts: shards.SplitInfo | None = None) -> SplitEmbeddings:
+                        roles: NodeRoles | None = None, data: shards.RunData | None = None) -> SplitEmbeddings:
     """A split's embeddings by Ray Data batch inference: the shards decoded and tokenized by
     CPU tasks (on the data nodes of ``roles``), embedded by ``eval.concurrency`` actors (one GPU
     each with ``train.use_gpu``; on the training nodes), collected on the driver (with a
-    progress bar over the split's images and captions, its ``counts`` in the manifest, read when not
-    given). Without ``roles``, anywhere."""
+    progress bar over the split's images and captions). The manifests are ``data``'s (a run's, read
+    once by the driver), else read here. Without ``roles``, anywhere."""
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
                  batch_size=cfg.eval.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency),
                  num_gpus=1 if cfg.train.use_gpu else 0) | ({"label_selector": roles.train} if roles and roles.train else {})
-    counts = counts or shards.read_manifest(cfg.data.split_path(split)).split(split)
+    data = data or shards.RunData.read(cfg.data)
+    counts = data.split(split)
     batches = []
     try:
         with tqdm(total=counts.images + counts.captions, desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
-            for ds in (ingest.eval_images(cfg, split, ledger_name), ingest.eval_texts(cfg, split)):
+            for ds in (ingest.eval_images(cfg, split, ledger_name, data), ingest.eval_texts(cfg, split, data)):
                 ds = ds.map_batches(EmbedBatches, **embed)
                 ds.context.execution_options.label_selector = roles and roles.data
                 for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):

@@ -94,7 +94,7 @@ def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_d
                 logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
                 return best_uri, {}
             model, _ = retrieval.load_exported(written[0])
-        embeddings = inference.embed_with_ray_data(model, cfg, split, roles=roles, counts=data.split(split))
+        embeddings = inference.embed_with_ray_data(model, cfg, split, roles=roles, data=data)
         result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
         report.log_report(run, result_report, embeddings,
                           functools.partial(shards.read_rows, cfg.data.split_path(split), split),
@@ -102,9 +102,10 @@ def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_d
     return best_uri, result_report.metrics
 
 
-def split_facts(cfg: RunConfig, split: str) -> suite.DataFacts:
-    """What ``split`` of the run's data holds that decides its metrics (read from the shards)."""
-    return suite.DataFacts.from_columns(*shards.label_and_caption_counts(cfg.data.split_path(split), split))
+def split_facts(data: shards.RunData, split: str) -> suite.DataFacts:
+    """What ``split`` of the run's ``data`` holds that decides its metrics (read from the shards)."""
+    return suite.DataFacts.from_columns(*shards.label_and_caption_counts(data.config.split_path(split), split,
+                                                                         data.manifest(split)))
 
 
 def skipped_metrics_tag(cfg: RunConfig, facts: dict[str, suite.DataFacts]) -> dict[str, str]:
@@ -160,7 +161,7 @@ def check_ready(cfg: RunConfig) -> Prepared:
             raise ConfigError(f"{key}: the {split} split of {cfg.data.split_path(split)} has {images} images; "
                               f"training and retrieval need at least {MIN_SPLIT_IMAGES}")
     data = shards.RunData(cfg.data, manifests)
-    facts = split_facts(cfg, cfg.data.val_split)
+    facts = split_facts(data, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
     if cfg.eval.select_metric not in given:
         raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.split_path(cfg.data.val_split)} ({facts.describe()}) "
@@ -181,7 +182,7 @@ def check_ready(cfg: RunConfig) -> Prepared:
         engine.check_deepspeed_config(ds_config)
     evaluated = {cfg.data.val_split: facts}
     if data.has(cfg.data.test_split) and cfg.data.test_split not in evaluated:
-        evaluated[cfg.data.test_split] = split_facts(cfg, cfg.data.test_split)
+        evaluated[cfg.data.test_split] = split_facts(data, cfg.data.test_split)
     return Prepared(data, evaluated, per_epoch, ds_config)
 
 
@@ -230,9 +231,9 @@ def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
     datasets = {
-        "train": ingest.train_dataset(cfg, ledger_name, *teacher_sources(cfg)),
-        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name),
-        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split),
+        "train": ingest.train_dataset(cfg, ledger_name, *teacher_sources(cfg), data=prepared.data),
+        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, prepared.data),
+        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, prepared.data),
     }
     worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
                                                              if cfg.train.use_gpu else {})
