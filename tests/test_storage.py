@@ -255,19 +255,20 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
             "train.num_workers=1", "train.micro_batch_size=32", "train.log_every_n_steps=4", "optim.warmup_steps=4",
             "eval.batch_size=64", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
 
-    def run(epochs: int) -> driver.TrainResult:
-        return driver.fit(config(epochs))
+    def run(epochs: int, resume: bool = False) -> driver.TrainResult:
+        return driver.fit(config(epochs), resume=resume)
 
     steps_per_epoch = driver.check_ready(config(1)).steps_per_epoch
 
     first = run(1)
-    resumed = run(2)
+    resumed = run(2, resume=True)
     assert first.metrics["step"] == steps_per_epoch and resumed.metrics["step"] == 2 * steps_per_epoch
     assert resumed.mlflow_run_id == first.mlflow_run_id
     assert resumed.checkpoint_path.startswith(f"{bucket}/ray/on-s3/checkpoint_")
     checkpoints = {f.parent.name for f in Location.of(f"{bucket}/ray/on-s3").files(recursive=True)
                    if f.parent.name == "deepspeed"}
     assert checkpoints  # DeepSpeed's files are in the bucket
+    assert not Location.of(f"{bucket}/ray/on-s3/{driver.RUN_LOCK}").is_file()  # held while it ran, then released
     with Location.of(resumed.checkpoint_path).local_copy() as ckpt:
         import torch
 

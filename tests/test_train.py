@@ -17,7 +17,7 @@ from conftest import STEPS_PER_EPOCH, e2e_overrides as overrides, step_images
 from pairsim.models import clip, retrieval
 from pairsim.train import checkpoints, driver, engine
 from pairsim.cli import DEMO_CONFIG, main, objective_config
-from pairsim.config import RunConfig, load_config
+from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.losses import build_objective
 from pairsim.tracking import metric_key
 
@@ -26,14 +26,17 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
-    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed for a 4th;
+    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed (``--resume``) for a 4th;
     system metrics every 2 s (the default 10 s is longer than a one-epoch attempt here: whether
     one sample or none landed in it depended on the machine's speed)."""
     work = tmp_path_factory.mktemp("zero2")
     first = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3",
                                                           "tracking.system_metrics_interval_s=2")))
-    resumed = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4",
-                                                            "tracking.system_metrics_interval_s=2")))
+    longer = load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4",
+                                                "tracking.system_metrics_interval_s=2"))
+    with pytest.raises(ConfigError, match=r"'e2e' is a finished run .* add --resume"):
+        driver.fit(longer)  # a finished run's name continues it only when asked
+    resumed = driver.fit(longer, resume=True)
     return first, resumed, MlflowClient(first.tracking_uri)
 
 

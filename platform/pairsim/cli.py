@@ -17,6 +17,7 @@ from pairsim.config import ConfigError, ModelConfig, RunConfig, check_tracking_u
 from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
 from pairsim.jobs import JobStopped
+from pairsim.locks import NameInUse
 from pairsim.registry import DATA_FORMATS
 
 logger = log.get_logger("cli")
@@ -65,11 +66,11 @@ def _print_run(run_id: str, tracking_uri: str) -> None:
     print(f"then open:  {storage.masked(ui_url(tracking_uri, run_id))}")
 
 
-def _train(cfg: RunConfig) -> None:
+def _train(cfg: RunConfig, resume: bool = False) -> None:
     from pairsim.eval.report import format_report  # heavy imports only once the config is known to be good
     from pairsim.train.driver import fit
 
-    result = fit(cfg)
+    result = fit(cfg, resume=resume)
     val = {k.removeprefix("val/"): v for k, v in result.metrics.items() if k.startswith("val/")}
     print(f"\nval retrieval after {result.metrics.get('epoch')} epochs (run {result.run_name}):")
     print(format_report(val, cfg.eval.ks))
@@ -340,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", type=Path, action="append", required=True,
                        help="YAML run config; repeat to layer files left to right")
     add_overrides(train)
-    train.set_defaults(func=lambda args: _train(load_config(args.config, args.overrides)))
+    train.add_argument("--resume", action="store_true",
+                       help="continue the finished run ray.run_name names (e.g. with more train.epochs); a stopped or "
+                            "failed run's name resumes it without")
+    train.set_defaults(func=lambda args: _train(load_config(args.config, args.overrides), args.resume))
 
     sweep = sub.add_parser("tune", help="a Ray Tune sweep from a search-space file (tune_spaces/*.yaml)")
     sweep.add_argument("--space", type=Path, required=True, help="sweep file: base config, space, sweep settings")
@@ -426,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)
         return 128 + signal.SIGTERM
+    except NameInUse as exc:  # another run, sweep or build holds the name
+        print(f"pairsim: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2

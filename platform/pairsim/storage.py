@@ -202,6 +202,46 @@ class Location:
     def write_text(self, text: str) -> int:
         return self.write_bytes(text.encode("utf-8"))
 
+    def create(self, data: bytes) -> bool:
+        """Write this file only if it does not exist; False when it does. Atomic on a local or
+        shared filesystem (``O_CREAT | O_EXCL``) and on S3 (a conditional put, ``If-None-Match:
+        *``). Other object stores have no conditional write through ``pyarrow.fs``: there the
+        file is written after a check and read back, a window of about one round trip in which
+        two writers can both see their own data."""
+        if self.is_local:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        if self.fs.type_name == "s3":
+            return self._s3_put_if_absent(data)
+        if self.is_file():
+            return False
+        self.write_bytes(data)
+        return self.read_bytes() == data
+
+    def _s3_put_if_absent(self, data: bytes) -> bool:
+        import boto3
+        from botocore.exceptions import ClientError
+
+        options = self.fs.__reduce__()[1][0]  # what the filesystem pickles with: endpoint, scheme, region
+        endpoint = options["endpoint_override"]
+        if endpoint and "://" not in endpoint:
+            endpoint = f"{options['scheme']}://{endpoint}"
+        bucket, key = self.path.split("/", 1)
+        client = boto3.client("s3", endpoint_url=endpoint or None, region_name=options["region"] or None)
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
     def delete(self) -> None:
         """Remove this file; nothing when it is not there."""
         if self.is_file():

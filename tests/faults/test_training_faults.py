@@ -134,7 +134,7 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     states.write_bytes(bytes(data))
     assert main(["checkpoints", "verify", str(run_dir)]) == 1
     capfd.readouterr()
-    longer = driver.fit(load_config(DEMO_CONFIG, [*args, "train.epochs=4"]))
+    longer = driver.fit(load_config(DEMO_CONFIG, [*args, "train.epochs=4"]), resume=True)
     out = "".join(capfd.readouterr())
     assert f"checkpoint {newest} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
            "differs from its checksum" in out

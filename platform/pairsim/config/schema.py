@@ -357,8 +357,9 @@ class RayConfig(Section):
     storage_path: PathOrUri = Field(Path("ray_results"), description="checkpoints (shared storage on a cluster: a "
                                                                      "shared mount or a URI, s3://bucket/key)")
     run_name: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Ray Train run name; re-running with the same name resumes it",
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=200,
+        description="Ray Train run name, held while the run lives (a second run under it is refused); "
+                    "re-running a stopped or failed run's name resumes it, a finished run's with --resume",
     )
     max_failures: Int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
     listen_on_all_interfaces: bool = Field(

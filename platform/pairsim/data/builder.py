@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
+from pairsim import locks
 from pairsim.data import sources
 from pairsim.data.build_config import SPLIT_NAME, BuildConfig
 from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, reject_summary,
@@ -95,6 +96,7 @@ class BuildError(RuntimeError):
     """A build that cannot complete: too many rejects, or an unreadable input."""
 
 
+BUILD_LOCK = "pairsim-build.lock"  # in the output while a build writes it (pairsim.locks)
 MARKERS = ".build"
 
 
@@ -237,8 +239,14 @@ def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
     ``cfg.val_share`` holds out a seeded share of the images as split ``val``. Raises
     :class:`BuildError` when more than ``max_reject_share`` of the images (or captions) is
     rejected — after writing ``rejects.jsonl``, and without listing the built splits in the
-    manifest, so they cannot be trained on by mistake.
+    manifest, so they cannot be trained on by mistake. The build holds ``cfg.out`` while it
+    writes (:data:`BUILD_LOCK`): a second build into it is refused (:class:`pairsim.locks.NameInUse`).
     """
+    with locks.hold(Location.of(cfg.out) / BUILD_LOCK, f"--out {cfg.out}"):
+        return _build(cfg, progress)
+
+
+def _build(cfg: BuildConfig, progress: bool) -> Manifest:
     import ray
 
     from pairsim import cluster

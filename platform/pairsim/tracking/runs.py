@@ -138,6 +138,16 @@ def find_run(tracking_uri: str, run_name: str) -> str | None:
     return found[0].info.run_id if found else None
 
 
+def previous_attempt(tracking_uri: str, experiment: str, run_name: str):
+    """The MLflow run (an ``mlflow.entities.Run``) an earlier attempt of Ray Train run
+    ``run_name`` made in ``experiment``, or None."""
+    client = MlflowClient(tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    runs = found and client.search_runs([found.experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'",
+                                        max_results=1)
+    return runs[0] if runs else None
+
+
 def create_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> str:
     """A new, finished run (for an evaluation that belongs to no training run)."""
     client = MlflowClient(tracking_uri)
@@ -158,10 +168,9 @@ def open_run(cfg: RunConfig, run_name: str, config_yaml: str, deepspeed_config: 
     uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     client = MlflowClient(uri)
     experiment_id = _experiment_id(client, cfg.tracking.experiment, uri)
-    found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
+    run = previous_attempt(uri, cfg.tracking.experiment, run_name)
     tags = context_tags() | {RUN_NAME_TAG: run_name} | (tags or {}) | ({PARENT_TAG: parent_run_id} if parent_run_id else {})
-    if found:
-        run = found[0]
+    if run is not None:
         client.update_run(run.info.run_id, status="RUNNING")
         attempt = int(run.data.tags.get("pairsim.attempts", "1")) + 1
         for ended_by in (ERROR_TAG, STOPPED_TAG):  # how the last attempt ended: kept under its number

@@ -22,7 +22,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from pairsim import cluster, jobs, log, storage, tracking
+from pairsim import cluster, jobs, locks, log, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.eval import inference, report, suite
@@ -204,18 +204,55 @@ class SweepTrial:
     reset_temperatures: bool = False
 
 
+RUN_LOCK = "pairsim-run.lock"  # in the run's directory while it lives (pairsim.locks)
 STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
 
 
-def fit(cfg: RunConfig, trial: SweepTrial | None = None) -> TrainResult:
+def fit(cfg: RunConfig, trial: SweepTrial | None = None, resume: bool = False) -> TrainResult:
     """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
     ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
-    :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from."""
+    :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from.
+
+    The run holds its name while it lives (:data:`RUN_LOCK` in its directory): a second run under
+    a live run's ``ray.run_name`` is refused after the checks, before Ray starts
+    (:class:`pairsim.locks.NameInUse`). A stopped or failed run's name resumes it; a finished
+    run's only with ``resume`` (:func:`check_resume`)."""
     clock = StartupClock()
     cfg = cfg.with_absolute_paths()
     prepared = check_ready(cfg)
-    clock.lap("checks")
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
+    if trial is not None:  # the sweep holds its name; its trials' names are its own
+        return _train_and_test(cfg, prepared, run_name, clock, trial)
+    with locks.hold(storage.Location.of(cfg.ray.storage_path) / run_name / RUN_LOCK, f"ray.run_name {run_name!r}"):
+        check_resume(cfg, run_name, resume)
+        return _train_and_test(cfg, prepared, run_name, clock)
+
+
+def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
+    """Whether ``run_name`` may start: a new name always; the name of a stopped, failed or
+    crashed run resumes it (Ray Train restores its last checkpoint); a finished run's only when
+    ``resume`` is asked for (``--resume``), which needs a run to continue. ConfigError otherwise,
+    spelling out the choice."""
+    uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
+    previous = tracking.previous_attempt(uri, cfg.tracking.experiment, run_name)
+    where = f"experiment {cfg.tracking.experiment!r} of {storage.masked(uri)}"
+    if previous is None:
+        if resume:
+            raise ConfigError(f"--resume: no run {run_name!r} in {where} to resume")
+        return
+    status = previous.info.status
+    if status == "FINISHED" and not resume:
+        ended = datetime.fromtimestamp(previous.info.end_time / 1000).isoformat(sep=" ", timespec="seconds")
+        raise ConfigError(f"ray.run_name: {run_name!r} is a finished run (MLflow run {previous.info.run_id} in "
+                          f"{where}, ended {ended}); to continue it (e.g. with more train.epochs) add --resume; "
+                          "for a new run choose another ray.run_name")
+    logger.info("resuming run %s (MLflow run %s, its last attempt %s)", run_name, previous.info.run_id,
+                {"FINISHED": "finished", "RUNNING": "ended without a word (killed?)"}.get(status, status.lower()))
+
+
+def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: StartupClock,
+                    trial: SweepTrial | None = None) -> TrainResult:
+    clock.lap("checks")
     per_epoch, ds_config = prepared.steps_per_epoch, prepared.deepspeed_config
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
     cluster.init_ray(cfg)

@@ -36,7 +36,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
-from pairsim import cluster, jobs, log, tracking
+from pairsim import cluster, jobs, locks, log, tracking
 from pairsim.config import ConfigError
 from pairsim.train import driver
 from pairsim.tune import results
@@ -44,6 +44,7 @@ from pairsim.tune.space import Sweep
 
 logger = log.get_logger("tune")
 STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest and parent run
+SWEEP_LOCK = "pairsim-sweep.lock"  # in the sweep's directory while it runs (pairsim.locks)
 CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it is, at which epoch
 CLONED_FROM_TAG = "pairsim.pbt.cloned_from"
 TUNE_CHECKPOINTS_KEPT = 4  # per PBT trial (Ray warns that 2 or fewer can delete what a clone needs)
@@ -327,9 +328,9 @@ class SweepResult:
 
 
 def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> SweepResult:
-    """Run (or, if ``<storage>/<name>`` holds it, resume) the sweep; returns its trials."""
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
+    """Run (or, if ``<storage>/<name>`` holds it, resume) the sweep; returns its trials. The sweep
+    holds its name while it runs (:data:`SWEEP_LOCK`): a second ``tune`` of the same name is
+    refused before Ray starts (:class:`pairsim.locks.NameInUse`)."""
     name = name or datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
     base = sweep.base
     if isinstance(base.ray.storage_path, str):  # a URI (pairsim.storage): Tune's state and results.csv are files here
@@ -347,7 +348,15 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
     driver.check_ready(base)
     for point in sweep.points_to_check()[:2]:
         driver.check_ready(sweep.trial_config(point))
+    with locks.hold(exp_dir / SWEEP_LOCK, f"sweep {name!r}"):
+        return _run(sweep, name, exp_dir, restoring)
 
+
+def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult:
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    base, storage = sweep.base, exp_dir.parent
+    state_file = exp_dir / STATE_FILE
     tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
     cluster.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
                     log_to_driver=sweep.settings.verbose_trials)

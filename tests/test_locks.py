@@ -1,0 +1,193 @@
+"""One writer per name (issue 31, item 1): a run, a sweep and a shard build hold a lock under
+their storage location while they live; a second one on the same name is refused in seconds,
+before Ray starts, naming the holder; a lock whose holder is gone is taken over."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from pairsim import cli, locks
+from pairsim.config import load_config
+from pairsim.data import builder
+from pairsim.data.build_config import BuildConfig
+from pairsim.storage import Location
+from pairsim.train import driver
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def lock_file(path: Location, **fields) -> None:
+    """A lock as another holder wrote it: ``fields`` over a live-looking holder elsewhere."""
+    holder = locks.Holder("someone", "elsewhere", 4242, "2026-01-01T00:00:00+00:00", "pairsim train", "t0k3n",
+                          time.time())
+    path.write_bytes(json.dumps(vars(holder) | fields).encode())
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path) -> Location:
+    if request.param == "local":
+        return Location.of(tmp_path / "runs")
+    s3_env = request.getfixturevalue("s3_env")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    for name, value in s3_env.items():
+        monkeypatch.setenv(name, value)
+    bucket = f"locks-{time.time_ns()}"
+    pafs.S3FileSystem(endpoint_override=s3_env["AWS_ENDPOINT_URL"], allow_bucket_creation=True).create_dir(bucket)
+    return Location.of(f"s3://{bucket}/runs")
+
+
+def test_a_second_holder_is_refused_naming_the_first_until_it_releases(where):
+    path = where / "run-a" / "pairsim-run.lock"
+    first = locks.acquire(path, "ray.run_name 'run-a'")
+    with pytest.raises(locks.NameInUse, match=rf"ray.run_name 'run-a' is in use by .*@{socket.gethostname()} "
+                                              rf"pid {os.getpid()} since .*lock: {path}"):
+        locks.acquire(path, "ray.run_name 'run-a'")
+    assert json.loads(path.read_text())["pid"] == os.getpid()
+    first.release()
+    assert not path.is_file()
+    locks.acquire(path, "ray.run_name 'run-a'").release()
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_warning(where, caplog):
+    here = where / "here.lock"
+    lock_file(here, host=socket.gethostname(), pid=dead_pid())
+    with caplog.at_level("WARNING", logger="pairsim.locks"):
+        locks.acquire(here, "a").release()
+    assert "taking over the lock of someone@" in caplog.text and "has ended" in caplog.text
+
+    silent = where / "silent.lock"
+    lock_file(silent, heartbeat=time.time() - locks.STALE_AFTER_S - 60)
+    locks.acquire(silent, "b").release()
+    assert "heartbeat stopped" in caplog.text
+
+    alive_elsewhere = where / "elsewhere.lock"  # another host, heartbeat fresh: may be running
+    lock_file(alive_elsewhere)
+    with pytest.raises(locks.NameInUse, match="in use by someone@elsewhere pid 4242"):
+        locks.acquire(alive_elsewhere, "c")
+    assert json.loads(alive_elsewhere.read_text())["token"] == "t0k3n"
+
+
+def test_the_holder_keeps_its_heartbeat_and_never_removes_a_lock_taken_from_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 0.05)
+    path = Location.of(tmp_path / "x.lock")
+    lock = locks.acquire(path, "x")
+    first = json.loads(path.read_text())["heartbeat"]
+    time.sleep(0.5)
+    assert json.loads(path.read_text())["heartbeat"] > first
+    lock_file(path)  # taken over by another holder (e.g. after a long pause of this one)
+    lock.release()
+    assert json.loads(path.read_text())["token"] == "t0k3n"
+
+
+def test_something_else_in_the_locks_place_is_named_not_overwritten(tmp_path):
+    path = tmp_path / "y.lock"
+    path.write_text("my notes")
+    with pytest.raises(locks.NameInUse, match=r"y.lock is not a pairsim lock; if no run holds it, delete it"):
+        locks.acquire(Location.of(path), "y")
+    assert path.read_text() == "my notes"
+
+
+def run_yaml(tiny_dataset, tmp_path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data: {{path: {tiny_dataset}, test_split: null}}\ntrain: {{micro_batch_size: 16, epochs: 1}}\n"
+                    f"ray: {{storage_path: {tmp_path / 'runs'}, run_name: same}}\n"
+                    f"tracking: {{tracking_uri: 'sqlite:///{tmp_path}/mlflow.db'}}\n")
+    return path
+
+
+def test_a_run_sweep_or_build_on_a_held_name_is_refused_before_ray_starts(tiny_dataset, tmp_path, capsys):
+    """Refused before anything is started or written: no MLflow run, no sweep state, no shard."""
+    from pairsim import tracking
+
+    storage, run = tmp_path / "runs", run_yaml(tiny_dataset, tmp_path)
+    with locks.hold(Location.of(storage) / "same" / driver.RUN_LOCK, "another run"):
+        started = time.monotonic()
+        with pytest.raises(locks.NameInUse, match=rf"ray.run_name 'same' is in use by .* pid {os.getpid()}"):
+            driver.fit(load_config(run))
+        assert cli.main(["train", "--config", str(run)]) == 2
+        assert time.monotonic() - started < 30
+    assert "pairsim: ray.run_name 'same' is in use by" in capsys.readouterr().err
+    assert cli.main(["train", "--config", str(run), "--resume"]) == 2  # nothing to resume: refused, lock let go
+    assert "--resume: no run 'same' in experiment 'pairsim'" in capsys.readouterr().err
+    assert not (storage / "same" / driver.RUN_LOCK).exists()
+    assert tracking.previous_attempt(f"sqlite:///{tmp_path}/mlflow.db", "pairsim", "same") is None
+
+    from pairsim.tune import sweep as sweeps
+    from pairsim.tune.space import load_sweep
+
+    space = tmp_path / "space.yaml"
+    space.write_text(f"base: {{config: [{run}]}}\nspace: {{loss.margin: {{uniform: [0.1, 0.3]}}}}\n"
+                     "sweep: {num_samples: 1}\n")
+    sweep = load_sweep(space)
+    with locks.hold(Location.of(storage) / "busy" / sweeps.SWEEP_LOCK, "another sweep"):
+        with pytest.raises(locks.NameInUse, match=r"sweep 'busy' is in use by"):
+            sweeps.run_sweep(sweep, "busy")
+    assert sorted(p.name for p in (storage / "busy").iterdir()) == []  # no sweep state beside the lock
+
+    out, csv = tmp_path / "built", tmp_path / "pairs.csv"
+    csv.write_text("filepath\ttitle\n")  # refused before the source is read
+    with locks.hold(Location.of(out) / builder.BUILD_LOCK, "another build"):
+        with pytest.raises(locks.NameInUse, match=rf"--out {out} is in use by"):
+            builder.build(BuildConfig(format="csv", input=csv, out=out), progress=False)
+    assert [p.name for p in out.iterdir()] == []
+
+
+def test_a_finished_runs_name_continues_it_only_with_resume(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pairsim import tracking
+    from pairsim.config import ConfigError
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = load_config(None, [f"tracking.tracking_uri={uri}"])
+    driver.check_resume(cfg, "new", resume=False)
+    with pytest.raises(ConfigError, match=r"--resume: no run 'new' in experiment 'pairsim' of sqlite:///.* to resume"):
+        driver.check_resume(cfg, "new", resume=True)
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("pairsim")
+    for name, status in (("done", "FINISHED"), ("stopped", "KILLED"), ("crashed", "FAILED")):
+        run = client.create_run(experiment, tags={tracking.RUN_NAME_TAG: name})
+        client.set_terminated(run.info.run_id, status)
+    with pytest.raises(ConfigError, match=r"ray.run_name: 'done' is a finished run \(MLflow run \w+ in experiment "
+                                          r"'pairsim' of .*, ended .*\); to continue it .* add --resume; for a new run "
+                                          r"choose another ray.run_name"):
+        driver.check_resume(cfg, "done", resume=False)
+    driver.check_resume(cfg, "done", resume=True)
+    driver.check_resume(cfg, "stopped", resume=False)  # a stopped or failed run's name resumes it
+    driver.check_resume(cfg, "crashed", resume=False)
+    tracking_only = load_config(None, [f"tracking.tracking_uri={uri}", "tracking.experiment=other"])
+    driver.check_resume(tracking_only, "done", resume=False)  # names are per experiment
+
+
+@pytest.mark.slow
+def test_two_trains_under_one_name_the_second_is_refused_in_seconds_and_the_first_finishes(tiny_dataset, tmp_path):
+    """The case of the issue, as a user meets it: two ``pairsim train`` processes at once."""
+    storage = tmp_path / "runs"
+    args = [sys.executable, "-m", "pairsim.cli", "train", "--config", str(run_yaml(tiny_dataset, tmp_path))]
+    env = os.environ | {"RAY_ADDRESS": ""}
+    first = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lock = storage / "same" / driver.RUN_LOCK
+    deadline = time.monotonic() + 120
+    while not lock.is_file() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert lock.is_file(), first.communicate()[0][-3000:]
+    started = time.monotonic()
+    second = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    refused_in = time.monotonic() - started
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "ray.run_name 'same' is in use by" in second.stderr and f"pid {first.pid} " in second.stderr
+    assert refused_in < 45  # the checks and the Python start-up; Ray is never started
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out[-3000:]
+    assert not lock.exists()
