@@ -79,21 +79,22 @@ def test_no_module_imports_another_modules_private_names():
     assert not offences, offences
 
 
-README = Path(__file__).parents[1] / "README.md"
+EXTENDING = Path(__file__).parents[1] / "docs" / "extending.md"  # where the registries are documented
 
 
-def test_readme_extension_tables_are_the_registries():
-    """The README's extension-point tables equal what ``pairsim registry`` prints (in a fresh
+def test_docs_extension_tables_are_the_registries():
+    """The docs' extension-point tables equal what ``pairsim registry`` prints (in a fresh
     process, so nothing a test registered shows up)."""
-    text = README.read_text()
+    text = EXTENDING.read_text()
     copy = text.split("<!-- registry-tables -->\n", 1)[1].split("\n<!-- /registry-tables -->", 1)[0]
     done = subprocess.run([sys.executable, "-m", "pairsim.cli", "registry"], capture_output=True, text=True,
                           timeout=300, check=True)
-    assert copy.strip() == done.stdout.strip(), "README tables are stale: paste `pairsim registry` between the markers"
+    assert copy.strip() == done.stdout.strip(), \
+        "docs/extending.md's tables are stale: paste `pairsim registry` between the markers"
 
 
-def test_readme_metric_example_registers_a_family_the_suite_computes():
-    text = README.read_text()
+def test_docs_metric_example_registers_a_family_the_suite_computes():
+    text = EXTENDING.read_text()
     start = text.index("```python\nfrom pairsim.eval.metrics import blocked_retrieval_metrics") + len("```python\n")
     example = text[start:text.index("```", start)]
     check = example + """

@@ -85,7 +85,7 @@ def test_the_kuberay_rayjob_submits_the_documented_entry_point_with_pairsims_dep
     assert entry[:2] == ["python", "pipelines/train.py"] and (REPO / entry[1]).is_file()
     args = build_parser().parse_args(["train", *entry[2:]])  # the flags pipelines/train.py hands pairsim train
     assert args.config == [Path("run.yaml")] and all("=" in o for o in args.overrides)
-    assert "python pipelines/train.py --config run.yaml" in (REPO / "README.md").read_text()  # the documented one
+    assert "python pipelines/train.py --config run.yaml" in (REPO / "docs" / "clusters.md").read_text()  # the documented one
     runtime_env = yaml.safe_load(RAYJOB["spec"]["runtimeEnvYAML"])
     dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     assert sorted(runtime_env["pip"]) == sorted(dependencies) and "py_modules" not in runtime_env

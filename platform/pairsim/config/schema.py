@@ -24,8 +24,8 @@ class DataConfig(Section):
     val_path: PathOrUri | None = Field(
         None, description="dataset directory of the val and test splits when they are not in data.path (train on "
                           "your data, evaluate on another dataset's split)")
-    train_split: str = "train"
-    val_split: str = "val"
+    train_split: str = Field("train", description="the split trained on")
+    val_split: str = Field("val", description="evaluated after each epoch; picks the best checkpoint")
     test_split: str | None = Field("test", description="evaluated once, with the best checkpoint, at the end of "
                                                        "training when the data has it")
     augment: Bool = Field(True, description="open_clip's random-resized-crop train transform")
@@ -60,7 +60,8 @@ class DataConfig(Section):
 class ModelConfig(Section):
     """An open_clip architecture, randomly initialised or loaded from ``pretrained``."""
 
-    arch: str = "pairsim-tiny"
+    arch: str = Field("pairsim-tiny", description="an open_clip architecture name (open_clip.list_models()) or "
+                                                  "pairsim-tiny, a 7.6 M-parameter ViT for CPUs and tests")
     pretrained: str | None = Field(None, description="open_clip tag or local weights file")
     init_from: Path | None = Field(
         None, description="start from a pairsim model: an export (model.pt with its model.json card beside it, as "
@@ -133,7 +134,8 @@ class TeacherConfig(WithParams):
 
     param_slots: ClassVar = (("params", "kind", TEACHERS, "kind"),)
 
-    kind: Annotated[str, registered(TEACHERS)] = Field(frozen=True)
+    kind: Annotated[str, registered(TEACHERS)] = Field(
+        frozen=True, description="a name registered in pairsim.registry.TEACHERS (its own keys are written beside it)")
     params: SerializeAsAny[Section] = Field(description="the kind's Params, written flat beside kind")
 
 
@@ -195,8 +197,12 @@ class LossConfig(WithParams):
     param_slots: ClassVar = (("base_params", "base", BASE_LOSSES, "loss.base"),
                              ("structure_params", "structure", STRUCTURES, "loss.structure"))
 
-    structure: Annotated[str, registered(STRUCTURES)] = Field("image_text", frozen=True)
-    base: Annotated[str, registered(BASE_LOSSES)] = Field("unified", frozen=True)
+    structure: Annotated[str, registered(STRUCTURES)] = Field(
+        "image_text", frozen=True, description="similarity structure, a name registered in pairsim.registry.STRUCTURES "
+                                               "(its own keys are written beside it)")
+    base: Annotated[str, registered(BASE_LOSSES)] = Field(
+        "unified", frozen=True, description="base pairwise loss, a name registered in pairsim.registry.BASE_LOSSES "
+                                            "(its own keys, e.g. margin and gamma, are written beside it)")
     local_loss: Bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
     cusa: CUSAConfig | None = None
     structure_params: SerializeAsAny[Section] = Field(description="the structure's Params, written flat")
