@@ -2,6 +2,8 @@
 
     python benchmarks/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
     python benchmarks/bench_eval.py --sizes 1000 3000 --dim 512
+    python benchmarks/bench_eval.py --untrained --sizes 4000 10000 --dim 512 --dense-max 4000 \
+        --compare-with /tmp/metrics_old.py           # an early checkpoint: every rank from the exact pass
     git show 95fdf8c:platform/pairsim/eval/metrics.py > /tmp/metrics_95fdf8c.py
     python benchmarks/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
         --compare-with /tmp/metrics_95fdf8c.py --mmap-threshold 131072
@@ -45,13 +47,16 @@ def _status_mb(field: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
-def problem(n: int, dim: int, classes: int | None = None, seed: int = 0):
-    """(queries, keys, query labels, key labels): labels are the image index, or its class."""
+def problem(n: int, dim: int, classes: int | None = None, seed: int = 0, untrained: bool = False):
+    """(queries, keys, query labels, key labels): labels are the image index, or its class.
+    ``untrained``: queries unrelated to their captions (random unit vectors), as an early
+    checkpoint's are: almost no positive in any top-D, every first rank from the exact pass."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.normalize(torch.randn(n * CAPTIONS, dim, generator=g), dim=1)
     image_labels = torch.arange(n) if classes is None else torch.arange(n) % classes
     centres = keys.view(n, CAPTIONS, dim).mean(1)
-    queries = torch.nn.functional.normalize(centres + 1.0 * torch.randn(n, dim, generator=g) / dim**0.5, dim=1)
+    noise = torch.randn(n, dim, generator=g)
+    queries = torch.nn.functional.normalize(noise if untrained else centres + noise / dim**0.5, dim=1)
     return queries, keys, image_labels, image_labels.repeat_interleave(CAPTIONS)
 
 
@@ -64,8 +69,8 @@ def _blocked_from(path: str):
     return module.blocked_retrieval_metrics
 
 
-def _measure(method: str, n: int, dim: int, classes: int | None, other: str | None, out) -> None:
-    queries, keys, query_labels, key_labels = problem(n, dim, classes)
+def _measure(method: str, n: int, dim: int, classes: int | None, other: str | None, untrained: bool, out) -> None:
+    queries, keys, query_labels, key_labels = problem(n, dim, classes, untrained=untrained)
     blocked = _blocked_from(other) if method == "other" else blocked_retrieval_metrics
     base = _status_mb("VmRSS")
     start = time.perf_counter()
@@ -77,10 +82,10 @@ def _measure(method: str, n: int, dim: int, classes: int | None, other: str | No
     out.put((seconds, _status_mb("VmHWM") - base, metrics))
 
 
-def measure(method: str, n: int, dim: int, classes: int | None, other: str | None):
+def measure(method: str, n: int, dim: int, classes: int | None, other: str | None, untrained: bool = False):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_measure, args=(method, n, dim, classes, other, out))
+    proc = ctx.Process(target=_measure, args=(method, n, dim, classes, other, untrained, out))
     proc.start()
     result = out.get()
     proc.join()
@@ -95,19 +100,23 @@ def main() -> None:
     parser.add_argument("--classes", type=int, help="C class labels: R = 5N/C positives per query")
     parser.add_argument("--compare-with", metavar="FILE",
                         help="a metrics.py whose blocked_retrieval_metrics is measured too")
+    parser.add_argument("--untrained", action="store_true",
+                        help="queries unrelated to their captions (an early checkpoint): R@1 near chance")
     parser.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ (bytes) of the measuring processes")
     args = parser.parse_args()
     if args.mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by each spawned process's glibc
     positives = "5 positives each" if args.classes is None else f"{args.classes} classes, R = 5N/{args.classes}"
+    positives += ", untrained queries" if args.untrained else ""
     print(f"queries N × keys 5N ({positives}), d = {args.dim}, {torch.get_num_threads()} threads; "
           f"peak = extra RSS over the inputs, mmap threshold {args.mmap_threshold or 'dynamic'}")
     print(f"{'N':>8} {'keys':>8} | {'dense s':>9} {'dense MB':>9} | {'blocked s':>9} {'blocked MB':>10} | "
           f"{'time ×':>7} {'memory ×':>8} | {'other s':>8} {'other MB':>8} | R@1")
     for n in args.sizes:
-        blocked = measure("blocked", n, args.dim, args.classes, None)
-        dense = measure("dense", n, args.dim, args.classes, None) if n <= args.dense_max else None
-        other = measure("other", n, args.dim, args.classes, args.compare_with) if args.compare_with else None
+        blocked = measure("blocked", n, args.dim, args.classes, None, args.untrained)
+        dense = measure("dense", n, args.dim, args.classes, None, args.untrained) if n <= args.dense_max else None
+        other = (measure("other", n, args.dim, args.classes, args.compare_with, args.untrained) if args.compare_with
+                 else None)
         for name, result in (("dense", dense), ("other", other)):
             for key, value in (result[2] if result else {}).items():
                 assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])

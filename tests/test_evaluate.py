@@ -141,6 +141,35 @@ def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks):
                                      key_block=blocks[1]) == pytest.approx(reference, abs=1e-9)
 
 
+@pytest.mark.parametrize("seed,budget", [(seed, budget) for seed in range(3) for budget in (1, 1 << 24)])
+def test_exact_first_ranks_score_each_querys_positives_a_few_at_a_time(seed, budget, monkeypatch):
+    """With ks=(1,) and a key block of 11, most first positives come from the exact rank: each
+    query's best positive is scored from its label's keys, one key at a time (a gather budget of
+    one float) or all at once, and must be the one the float64 reference ranks first (score, then lowest
+    index, the query's own key left out) — on a tied grid and on untrained, structureless data."""
+    import pairsim.eval.metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "POSITIVE_GATHER_BUDGET", budget)
+    items, labels, self_keys = class_problem(seed, 240)
+    sim = items.double() @ items.double().T
+    positives = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)
+    reference = reference_metrics(sim, positives, (1,), excluded=self_keys.tolist())
+    assert blocked_retrieval_metrics(items, items, labels, labels, (1,), self_keys=self_keys, query_block=32,
+                                     key_block=11) == pytest.approx(reference, abs=1e-9)
+    g = torch.Generator().manual_seed(seed)  # 5 positives each, few in the top 5: tied and untrained
+    for queries, keys in ((torch.randint(-2, 3, (50, 3), generator=g).float(), torch.randint(-2, 3, (250, 3), generator=g).float()),
+                          (torch.randn(50, 16, generator=g), torch.randn(250, 16, generator=g))):
+        ql, kl = torch.arange(50), torch.arange(50).repeat_interleave(5)
+        sim = queries.double() @ keys.double().T
+        reference = reference_metrics(sim, ql[:, None] == kl[None, :], (1, 5))
+        assert blocked_retrieval_metrics(queries, keys, ql, kl, (1, 5), query_block=16, key_block=64) == \
+            pytest.approx(reference, abs=1e-9)
+        for q in range(50):  # one query at a time: its median rank is its exact first-positive rank
+            alone = reference_metrics(sim[q:q + 1], (ql[q:q + 1, None] == kl[None, :]), (1,))
+            assert blocked_retrieval_metrics(queries[q:q + 1], keys, ql[q:q + 1], kl, (1,), key_block=64)[
+                "median_rank"] == alone["median_rank"], q
+
+
 def test_blocked_summarises_each_query_block_within_the_top_depth_budget(monkeypatch):
     """The ranked hits exist one query block at a time, of at most ⌊TOP_DEPTH_BUDGET / D⌋ queries
     when D is large, never [Q, D]; the metrics stay the reference's."""
