@@ -17,7 +17,9 @@ own: R = 5N/C positives per query, so the running top-D is D = R deep. Dense is
 baseline, measured in the same run while it fits in memory); blocked is
 :func:`pairsim.eval.metrics.blocked_retrieval_metrics` on the embeddings and labels;
 ``--compare-with FILE`` also measures the ``blocked_retrieval_metrics`` of another metrics
-module (e.g. an older commit's: the "other" columns). Each measurement runs in a fresh process;
+module (e.g. an older commit's: the "other" columns); ``--faiss`` also faiss's exact
+``IndexFlatIP`` top-10 on the same embeddings (index built and searched, R@k from its top-k;
+``÷faiss`` is blocked's time over faiss's). Each measurement runs in a fresh process;
 peak memory is the process's peak RSS (VmHWM) minus its RSS with the inputs built, freed memory
 that glibc keeps in its heaps included unless ``--mmap-threshold`` fixes glibc's mmap threshold
 (large blocks then go back to the system when freed, so the peak counts live tensors). All must
@@ -76,10 +78,24 @@ def _measure(method: str, n: int, dim: int, classes: int | None, other: str | No
     start = time.perf_counter()
     if method == "dense":
         metrics = retrieval_metrics(queries @ keys.T, query_labels[:, None] == key_labels[None, :])
+    elif method == "faiss":
+        metrics = faiss_recall(queries, keys, query_labels, key_labels)
     else:
         metrics = blocked(queries, keys, query_labels, key_labels)
     seconds = time.perf_counter() - start
     out.put((seconds, _status_mb("VmHWM") - base, metrics))
+
+
+def faiss_recall(queries, keys, query_labels, key_labels, ks=(1, 5, 10)) -> dict[str, float]:
+    """R@k from faiss's exact inner-product top-k (``IndexFlatIP``, what a user would pick instead
+    of pairsim's blocked search): the index built and searched, both timed."""
+    import faiss
+
+    index = faiss.IndexFlatIP(keys.shape[1])
+    index.add(keys.numpy())
+    _, top = index.search(queries.numpy(), max(ks))
+    hits = key_labels.numpy()[top] == query_labels.numpy()[:, None]
+    return {f"R@{k}": 100.0 * float(hits[:, :k].any(1).mean()) for k in ks}
 
 
 def measure(method: str, n: int, dim: int, classes: int | None, other: str | None, untrained: bool = False):
@@ -100,6 +116,8 @@ def main() -> None:
     parser.add_argument("--classes", type=int, help="C class labels: R = 5N/C positives per query")
     parser.add_argument("--compare-with", metavar="FILE",
                         help="a metrics.py whose blocked_retrieval_metrics is measured too")
+    parser.add_argument("--faiss", action="store_true",
+                        help="also faiss IndexFlatIP's exact top-10 (R@k only; checked equal to blocked's)")
     parser.add_argument("--untrained", action="store_true",
                         help="queries unrelated to their captions (an early checkpoint): R@1 near chance")
     parser.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ (bytes) of the measuring processes")
@@ -111,20 +129,24 @@ def main() -> None:
     print(f"queries N × keys 5N ({positives}), d = {args.dim}, {torch.get_num_threads()} threads; "
           f"peak = extra RSS over the inputs, mmap threshold {args.mmap_threshold or 'dynamic'}")
     print(f"{'N':>8} {'keys':>8} | {'dense s':>9} {'dense MB':>9} | {'blocked s':>9} {'blocked MB':>10} | "
-          f"{'time ×':>7} {'memory ×':>8} | {'other s':>8} {'other MB':>8} | R@1")
+          f"{'time ×':>7} {'memory ×':>8} | {'other s':>8} {'other MB':>8} | {'faiss s':>8} {'faiss MB':>8} "
+          f"{'÷faiss':>7} | R@1")
     for n in args.sizes:
         blocked = measure("blocked", n, args.dim, args.classes, None, args.untrained)
         dense = measure("dense", n, args.dim, args.classes, None, args.untrained) if n <= args.dense_max else None
         other = (measure("other", n, args.dim, args.classes, args.compare_with, args.untrained) if args.compare_with
                  else None)
-        for name, result in (("dense", dense), ("other", other)):
+        faiss = measure("faiss", n, args.dim, args.classes, None, args.untrained) if args.faiss else None
+        for name, result in (("dense", dense), ("other", other), ("faiss", faiss)):
             for key, value in (result[2] if result else {}).items():
                 assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])
         cells = (f"{dense[0]:9.2f} {dense[1]:9.0f}" if dense else f"{'–':>9} {'–':>9}")
         ratios = (f"{blocked[0] / dense[0]:7.2f} {blocked[1] / max(dense[1], 1):8.3f}" if dense else f"{'–':>7} {'–':>8}")
         compared = (f"{other[0]:8.2f} {other[1]:8.0f}" if other else f"{'–':>8} {'–':>8}")
+        against = (f"{faiss[0]:8.2f} {faiss[1]:8.0f} {blocked[0] / faiss[0]:7.2f}" if faiss
+                   else f"{'–':>8} {'–':>8} {'–':>7}")
         print(f"{n:>8,} {n * CAPTIONS:>8,} | {cells} | {blocked[0]:9.2f} {blocked[1]:10.0f} | {ratios} | "
-              f"{compared} | {blocked[2]['R@1']:.1f}", flush=True)
+              f"{compared} | {against} | {blocked[2]['R@1']:.1f}", flush=True)
 
 
 if __name__ == "__main__":
