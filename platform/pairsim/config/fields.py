@@ -52,15 +52,22 @@ def registered(registry: Registry) -> AfterValidator:
     return AfterValidator(check)
 
 
+MAX_ERRORS_SHOWN = 20  # a file that is no config (a password file, a log) is not echoed line by line
+EXCERPT = 200  # characters of a key or value shown in an error
+
+
 def format_errors(err: ValidationError, source: str) -> str:
     """``err`` as one message: a line per problem, each with its dotted key and the value given
     (URIs masked), headed by how many there are and ``source``."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        path = ".".join(str(p) for p in e["loc"])[:EXCERPT] or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key")
         else:
             got = e.get("input")
-            lines.append(f"{path}: {e['msg']} (got {(storage.masked(got) if storage.is_uri(got) else got)!r})")
-    return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines)
+            shown = repr(storage.masked(got) if storage.is_uri(got) else got)
+            shown = shown if len(shown) <= EXCERPT else shown[:EXCERPT] + f"… ({len(shown):,} characters)"
+            lines.append(f"{path}: {e['msg']} (got {shown})")
+    more = [f"… and {len(lines) - MAX_ERRORS_SHOWN} more"] if len(lines) > MAX_ERRORS_SHOWN else []
+    return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines[:MAX_ERRORS_SHOWN] + more)

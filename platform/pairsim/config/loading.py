@@ -13,10 +13,47 @@ from pairsim.config.params import drop_replaced_params
 from pairsim.config.schema import RunConfig, validate
 from pairsim.config.tree import merge, set_dotted
 
+MAX_CONFIG_BYTES = 1 << 20  # a config or sweep file: what ray job submit hands a shared cluster's head
+MAX_DEPTH = 64  # nested sections and lists
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2's floats: ``1e-3`` is a float (YAML 1.1 wants a dot,
-    ``1.0e-3``, and reads ``1e-3`` as a string); ``.inf`` and ``.nan`` stay floats (refused by
-    the config as not finite)."""
+    """PyYAML's safe loader, bounded for files users hand in, with YAML 1.2's floats.
+
+    - **No aliases** (``*name``): a config writes its values out; an alias bomb (nine levels of
+      nine aliases) would otherwise expand to billions of nodes after validation.
+    - **No duplicate keys**: a second ``train:`` would silently replace the first whole section;
+      both lines are named.
+    - **At most** :data:`MAX_DEPTH` nested levels (a RecursionError traceback otherwise).
+    - Floats as YAML 1.2 reads them: ``1e-3`` is a float (YAML 1.1 wants a dot and reads ``1e-3``
+      as a string); ``.inf`` and ``.nan`` stay floats (refused by the config as not finite).
+    """
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"an alias (*{event.anchor}) is not accepted in a config: "
+                                                          "write the value out", event.start_mark)
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {str(key)[:80]!r} appears twice (lines {seen[key]} and "
+                                f"{key_node.start_mark.line + 1}): the second would replace the first", key_node.start_mark)
+            if isinstance(key, str | int | float | bool):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 _YamlLoader.yaml_implicit_resolvers = {
@@ -51,14 +88,27 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return tree
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
+    """A config or sweep file's mapping, read within bounds (at most ``max_bytes``, UTF-8, the
+    loader's limits); every problem a :class:`ConfigError` naming the file."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (resolved against the working directory: "
                                                              f"{path.resolve()})" if not path.is_absolute() else ""))
     try:
-        loaded = _yaml_load(path.read_text())
+        with path.open("rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise ConfigError(f"{path}: larger than {max_bytes:,} bytes, too big for a config file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a UTF-8 text file (byte {exc.start})") from None
+    try:
+        loaded = _yaml_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
     return loaded or {}

@@ -327,9 +327,22 @@ class TrackingConfig(Section):
         return uri and check_tracking_uri(uri)
 
 
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+"""The MLflow tracking stores pairsim accepts (a driver after ``+``, as in ``postgresql+psycopg``,
+is the store's own choice). Not ``file:``: MLflow ≥ 3.13 refuses a file store, and its artifacts
+would land wherever the URI points."""
+
+
 def check_tracking_uri(uri: str) -> str:
-    """``uri`` when it carries no credentials; else ValueError (with the URI masked) naming
-    where they go instead: a tracking URI is logged, stored and printed."""
+    """``uri`` when it names a tracking store MLflow serves (:data:`TRACKING_SCHEMES`, at most
+    2,048 characters) and carries no credentials; else ValueError (with the URI masked) naming
+    what is wrong: a tracking URI is logged, stored and printed."""
+    scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("databricks") else ""
+    if len(uri) > 2048:
+        raise ValueError(f"a tracking URI of {len(uri):,} characters (at most 2,048)")
+    if scheme.split("+", 1)[0] not in TRACKING_SCHEMES:
+        raise ValueError(f"{storage.masked(uri)[:200]}: not an MLflow tracking store; use one of "
+                         f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} (sqlite:///mlflow.db is the default)")
     if storage.has_credentials(uri):
         raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
                          "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "

@@ -1,0 +1,88 @@
+"""Config and sweep files as a careless user or an attacker writes them (issue 31, item 2):
+each refused in well under a second, before Ray, with one message naming the file and what is
+wrong — no expansion, no traceback, no file content echoed beyond a short excerpt."""
+
+import time
+
+import pytest
+
+from pairsim import cli
+from pairsim.config import ConfigError, load_config
+from pairsim.config.loading import MAX_CONFIG_BYTES, MAX_DEPTH
+from pairsim.tune.space import load_sweep
+
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))
+
+
+def refused(path, match, *, sweep=False):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=match) as caught:
+        load_sweep(path) if sweep else load_config(path)
+    assert time.monotonic() - started < 5
+    return str(caught.value)
+
+
+def test_duplicate_keys_are_refused_naming_both_lines(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  epochs: 5\nloss:\n  margin: 0.2\ntrain:\n  micro_batch_size: 8\n")
+    refused(path, rf"{path}: not valid YAML: .*the key 'train' appears twice \(lines 1 and 5\): the second would "
+                  "replace the first")
+    path.write_text("loss:\n  margin: 0.2\n  gamma: 30\n  margin: 0.3\n")
+    refused(path, r"the key 'margin' appears twice \(lines 2 and 4\)")
+
+
+def test_aliases_are_refused_before_anything_expands(tmp_path):
+    for body in (f"train:\n  deepspeed:\n    bomb:\n{''.join('      ' + line + chr(10) for line in ALIAS_BOMB.splitlines())}",
+                 "x: &big [1, 2]\nmodel:\n  arch: *big\n"):
+        path = tmp_path / "run.yaml"
+        path.write_text(body)
+        refused(path, r"not valid YAML: .*an alias \(\*a?\w+\) is not accepted in a config: write the value out")
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("base:\n  bomb:\n" + "".join("    " + line + "\n" for line in ALIAS_BOMB.splitlines())
+                     + "space: {loss.margin: {uniform: [0.1, 0.2]}}\n")
+    refused(sweep, r"an alias \(\*a0\) is not accepted", sweep=True)
+
+
+def test_size_depth_and_encoding_are_bounded(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    refused(big, rf"{big}: larger than {MAX_CONFIG_BYTES:,} bytes, too big for a config file")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("".join(" " * i + "a:\n" for i in range(1_000)))
+    refused(deep, rf"nested more than {MAX_DEPTH} levels deep")
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("train: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    refused(flow, rf"nested more than {MAX_DEPTH} levels deep")
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff" * 10)
+    refused(binary, rf"{binary}: not a UTF-8 text file \(byte 0\)")
+    refused(tmp_path, rf"config file not found: {tmp_path}")  # a directory
+
+
+def test_a_file_that_is_no_config_is_not_echoed(tmp_path):
+    secrets = tmp_path / "shadow.yaml"
+    secrets.write_text("".join(f"user{i}: $6$salt{i}$hash{i}\n" for i in range(500)))
+    message = refused(secrets, r"500 error\(s\) in .*shadow.yaml")
+    assert message.count("unknown key") == 20 and "… and 480 more" in message and "user499" not in message
+    long = tmp_path / "long.yaml"
+    long.write_text(f"ray:\n  run_name: {'x' * 300}\nmodel:\n  arch: {'y' * 5000}\n")
+    message = refused(long, r"ray.run_name: String should have at most 200 characters")
+    assert len(message) < 1500 and "(5,002 characters)" not in message  # arch is a free name: no bound here
+    assert all(len(line) < 400 for line in message.splitlines())
+
+
+@pytest.mark.parametrize("uri", ["file:///etc", "javascript:alert(1)", "./mlruns", "ftp://host/x"])
+def test_a_tracking_uri_mlflow_does_not_serve_is_refused_before_ray(uri, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"tracking.tracking_uri: .*not an MLflow tracking store; use one of http://"):
+        load_config(None, [f"tracking.tracking_uri={uri}"])
+    run = tmp_path / "run.yaml"
+    run.write_text(f"tracking: {{tracking_uri: '{uri}'}}\n")
+    assert cli.main(["train", "--config", str(run)]) == 2
+    assert "not an MLflow tracking store" in capsys.readouterr().err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    from pairsim.tracking import resolve_tracking_uri
+    with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI: .*not an MLflow tracking store"):
+        resolve_tracking_uri(None)
+    assert list(tmp_path.iterdir()) == [run]  # nothing written (no mlartifacts/, no mlruns/)
