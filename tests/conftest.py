@@ -91,6 +91,36 @@ def step_images(client, run_id: str) -> set[tuple[str, int]]:
 STEPS_PER_EPOCH = 256 * 2 // (16 * 2)  # tiny_dataset's train split, 2 captions per image, 2 workers × 16
 
 
+REPO = Path(__file__).resolve().parents[1]
+MLFLOW_DEFAULTS = ("mlruns", "mlartifacts")  # where MLflow writes when nobody said where: the working directory
+
+
+def new_experiment(uri: str, name: str = "tests") -> str:
+    """An experiment of the sqlite store ``uri`` whose artifacts go beside the store, not to
+    MLflow's default ``./mlruns`` (the working directory: the checkout)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    found = client.get_experiment_by_name(name)
+    root = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+    return found.experiment_id if found else client.create_experiment(name, artifact_location=root.as_uri())
+
+
+
+
+def _written(root: Path) -> set[Path]:
+    return {p for name in MLFLOW_DEFAULTS for p in (root / name).rglob("*")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_into_the_checkout():
+    """No test leaves files where MLflow writes by default in the checkout."""
+    before = _written(REPO)
+    yield
+    new = sorted(str(p.relative_to(REPO)) for p in _written(REPO) - before)
+    assert not new, f"tests wrote into the checkout: {new[:10]}"
+
+
 def e2e_overrides(dataset, work, *extra) -> list[str]:
     """The demo config's overrides of the end-to-end runs: ``dataset`` (:func:`tiny_dataset`),
     2 captions per image, 16 a worker, MLflow and checkpoints under ``work``."""

@@ -118,4 +118,13 @@ def test_every_objective_preset_gives_a_schedule_deepspeed_builds(preset):
     cfg = load_config([DEMO_CONFIG, objective_config(preset)])
     params = deepspeed_config(cfg.train, cfg.optim, total_steps=100)["scheduler"]["params"]
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
-    WarmupCosineLR(optimizer, **params)
+    scheduler = WarmupCosineLR(optimizer, **params)
+    lrs = []
+    for _ in range(100):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert max(lrs) == pytest.approx(cfg.optim.lr, rel=1e-3)  # the preset's peak LR is reached
+    peak = lrs.index(max(lrs))
+    assert peak <= cfg.optim.warmup_steps + 2 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert lrs[-1] <= cfg.optim.lr * (cfg.optim.min_lr_ratio + 0.01)  # decayed to the floor by the last step

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from conftest import step_images
+from conftest import new_experiment, step_images
 import pairsim.eval.metrics as metrics_module
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 from pairsim.eval.report import grid_heatmap, log_pictures, retrieval_gallery
@@ -299,7 +299,7 @@ def read_tiny_rows(ids: list[str]) -> dict[str, dict]:
 def test_pictures_are_logged_as_step_images(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    run_id = client.create_run("0").info.run_id
+    run_id = client.create_run(new_experiment(uri)).info.run_id
     split = tiny_split()
     report = evaluate_split(split, NormalizedSumFusion(), ks=(1, 5))
     with RunLogger(uri, run_id) as run:

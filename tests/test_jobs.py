@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import new_experiment
 from pairsim import cli, tracking
 from pairsim.config import ConfigError, load_config
 from pairsim.jobs import JobStopped, stop_on_sigterm
@@ -48,7 +49,7 @@ def test_ending_run_sets_the_status_of_how_the_block_ended(tmp_path, outcome, st
     ends KILLED with a parent stopped or failed (it cannot go on), the finished one keeps its status."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
-    experiment = client.create_experiment("e")
+    experiment = new_experiment(uri, "e")
     run_id = client.create_run(experiment).info.run_id
     running, finished = (client.create_run(experiment, tags={tracking.PARENT_TAG: run_id}).info.run_id
                          for _ in range(2))

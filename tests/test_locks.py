@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
+from conftest import new_experiment
 from pairsim import cli, locks
 from pairsim.config import load_config
 from pairsim.data import builder
@@ -155,7 +156,7 @@ def test_a_finished_runs_name_continues_it_only_with_resume(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"--resume: no run 'new' in experiment 'pairsim' of sqlite:///.* to resume"):
         driver.check_resume(cfg, "new", resume=True)
     client = MlflowClient(uri)
-    experiment = client.create_experiment("pairsim")
+    experiment = new_experiment(uri, "pairsim")
     for name, status in (("done", "FINISHED"), ("stopped", "KILLED"), ("crashed", "FAILED")):
         run = client.create_run(experiment, tags={tracking.RUN_NAME_TAG: name})
         client.set_terminated(run.info.run_id, status)

@@ -12,6 +12,7 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from conftest import new_experiment
 from pairsim import tracking
 from pairsim.config import load_config
 from pairsim.data import shards
@@ -43,7 +44,7 @@ def test_experiments_are_tagged_and_linked_in_the_training_runs_workspace_of_mlf
     ?workflowType=machine_learning the UI opens the GenAI overview, tag or not)."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    older = client.create_experiment("made-untagged")  # as a pairsim before the tag made it
+    older = new_experiment(uri, "made-untagged")  # as a pairsim before the tag made it
     for experiment in ("made-untagged", "new"):
         cfg = load_config(None, [f"tracking.tracking_uri={uri}", f"tracking.experiment={experiment}"])
         run_id = tracking.open_run(cfg, f"run-in-{experiment}", cfg.to_yaml(), {})
@@ -63,7 +64,7 @@ def store(tmp_path_factory) -> str:
 
 def new_run(uri: str) -> tuple[MlflowClient, str]:
     client = MlflowClient(uri)
-    return client, client.create_run("0").info.run_id
+    return client, client.create_run(new_experiment(uri)).info.run_id
 
 
 def test_datasets_are_logged_with_the_manifests_content_hashes(store, tiny_dataset):
@@ -296,3 +297,26 @@ def test_a_team_mlflow_server_keeps_runs_in_postgresql_and_proxies_artifacts_to_
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_registering_an_export_without_a_run_writes_beside_the_store_not_into_the_working_directory(
+        tmp_path, monkeypatch):
+    """``pairsim export --register`` from a checkpoint (no run): a new run of pairsim's experiment
+    holds the model, its artifacts beside the sqlite store; MLflow's default experiment would have
+    put them in ``./mlruns`` of whatever directory the command ran in."""
+    from pairsim.config import ModelConfig
+    from pairsim.models import retrieval
+
+    weights = tmp_path / "export" / "model.pt"
+    model = retrieval.create_retrieval_model(ModelConfig())
+    retrieval.write_exported(retrieval.model_card(ModelConfig(), model, epoch=1), model.state_dict(), weights)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    (tmp_path / "store").mkdir()
+    assert int(tracking.register_model(weights, "no-run", uri)) == 1 and list(work.iterdir()) == []
+    client = MlflowClient(uri)
+    run = client.get_run(client.get_model_version("no-run", "1").run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "pairsim"
+    assert run.info.artifact_uri.startswith((tmp_path / "store" / "mlartifacts").as_uri())

@@ -11,6 +11,7 @@ from pathlib import Path
 from pairsim import storage
 from pairsim.log import get_logger
 from pairsim.models import retrieval
+from pairsim.tracking.runs import context_tags, create_run
 
 logger = get_logger("tracking")
 
@@ -41,14 +42,18 @@ def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[
     return written
 
 
-def register_model(weights: str | Path, name: str, tracking_uri: str, run_id: str | None = None):
-    """Log the exported model with ``mlflow.pytorch.log_model`` into ``run_id`` (or a new run)
-    and register it as ``name`` in MLflow's model registry; returns the model version."""
+def register_model(weights: str | Path, name: str, tracking_uri: str, run_id: str | None = None,
+                   experiment: str = "pairsim"):
+    """Log the exported model with ``mlflow.pytorch.log_model`` into ``run_id`` (or a new run of
+    ``experiment``, whose artifacts go where pairsim's experiments keep them, not to MLflow's
+    default experiment and its ``./mlruns`` in the working directory) and register it as
+    ``name`` in MLflow's model registry; returns the model version."""
     import mlflow
     import open_clip
     import torch
 
     model, _ = retrieval.load_exported(weights)
+    run_id = run_id or create_run(tracking_uri, experiment, f"register-{name}", context_tags())
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run(run_id=run_id):
         # pickled (a traced pt2 graph would fix the input shapes); pairsim's package travels
