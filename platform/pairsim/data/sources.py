@@ -168,8 +168,9 @@ def list_karpathy(path: Path, images_root: Path) -> Listing:
     text, _ = decode_text(_read_bytes(path))
     try:
         entries = json.loads(text)["images"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise SourceError(f"{path}: not a Karpathy split file (expected {{'images': [...]}}): {exc}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
+        problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise SourceError(f"{path}: not a Karpathy split file (expected {{'images': [...]}}): {problem}") from None
     listing = Listing()
     for i, entry in enumerate(entries):
         where = f"{path.name}:images[{i}]"
@@ -210,7 +211,7 @@ def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepa
                           f"separator with --csv-separator; now {separator!r})")
     image_col, caption_col = header.index(image_key), header.index(caption_key)
     by_path: dict[str, Record | None] = {}
-    for row in reader:
+    for row in _csv_rows(reader, path, listing):
         where = f"{path.name}:{reader.line_num}"
         if len(row) != len(header):
             listing.rejects.append(Reject("record", where, "malformed line",
@@ -219,6 +220,18 @@ def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepa
         if record := _record_of(by_path, _relative_id(row[image_col]), split, images_root, where, listing):
             _add_captions(record, [row[caption_col]], listing, where)
     return _finish(listing)
+
+
+def _csv_rows(reader, path: Path, listing: Listing) -> Iterator[list[str]]:
+    """The reader's rows; a line it cannot parse (a field over the csv module's limit, 128 KiB:
+    a runaway caption) is a counted reject, not the end of the build."""
+    while True:
+        try:
+            yield next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            listing.rejects.append(Reject("record", f"{path.name}:{reader.line_num}", "malformed line", str(exc)))
 
 
 def _record_of(records: dict[str, Record | None], image_id: str, split: str, images_root: Path, where: str,
@@ -248,8 +261,9 @@ def list_folder(path: Path, images_root: Path, split: str) -> Listing:
             captions = entry["captions"] if "captions" in entry else [entry["caption"]]
             if not isinstance(name, str) or not isinstance(captions, list):
                 raise TypeError("'file' must be a string and 'captions' a list")
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            listing.rejects.append(Reject("record", where, "malformed line", f"{type(exc).__name__}: {exc}"))
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
+            problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            listing.rejects.append(Reject("record", where, "malformed line", f"{type(exc).__name__}: {problem}"))
             continue
         if record := _record_of(by_file, _relative_id(name), split, images_root, where, listing):
             _add_captions(record, captions, listing, where)

@@ -1,6 +1,7 @@
-"""Config and sweep files as a careless user or an attacker writes them (issue 31, item 2):
-each refused in well under a second, before Ray, with one message naming the file and what is
-wrong — no expansion, no traceback, no file content echoed beyond a short excerpt."""
+"""Config and sweep files, and source records, as a careless user or an attacker writes them
+(issue 31, items 2 and 3): each refused (or, for a record, counted as a reject) in well under a
+second, before Ray, with one message naming the file and what is wrong — no expansion, no
+traceback, no file content echoed beyond a short excerpt."""
 
 import time
 
@@ -86,3 +87,30 @@ def test_a_tracking_uri_mlflow_does_not_serve_is_refused_before_ray(uri, tmp_pat
     with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI: .*not an MLflow tracking store"):
         resolve_tracking_uri(None)
     assert list(tmp_path.iterdir()) == [run]  # nothing written (no mlartifacts/, no mlruns/)
+
+
+def test_oversized_and_too_deeply_nested_source_records_are_counted_rejects(tmp_path):
+    """A 10 MB caption in a CSV, a JSONL line of 100,000 nested lists: each one counted reject
+    naming its line, the rest of the file built; a Karpathy file nested as deep is named, not a
+    RecursionError traceback."""
+    from PIL import Image
+
+    from pairsim.data import sources
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("filepath\ttitle\na.png\tfine\na.png\t" + "x" * 10_000_000 + "\na.png\talso fine\n")
+    listing = sources.list_source("csv", pairs, None, "train")
+    assert [r.captions for r in listing.records] == [["fine", "also fine"]]
+    assert [(r.source, r.reason) for r in listing.rejects] == [("pairs.csv:3", "malformed line")]
+    assert "field larger than field limit" in listing.rejects[0].detail
+    lines = tmp_path / "captions.jsonl"
+    lines.write_text('{"file": "a.png", "caption": "fine"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    listing = sources.list_source("folder", lines, None, "train")
+    assert [r.captions for r in listing.records] == [["fine"]]
+    assert [(r.source, r.reason) for r in listing.rejects] == [("captions.jsonl:2", "malformed line")]
+    assert "nested too deeply" in listing.rejects[0].detail
+    karpathy = tmp_path / "dataset_coco.json"
+    karpathy.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(sources.SourceError, match=r"dataset_coco.json: not a Karpathy split file .*nested too deeply"):
+        sources.list_source("karpathy", karpathy, None, "train")
