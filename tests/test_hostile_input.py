@@ -114,3 +114,22 @@ def test_oversized_and_too_deeply_nested_source_records_are_counted_rejects(tmp_
     karpathy.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(sources.SourceError, match=r"dataset_coco.json: not a Karpathy split file .*nested too deeply"):
         sources.list_source("karpathy", karpathy, None, "train")
+
+
+def test_a_build_into_a_folder_that_is_not_a_pairsim_dataset_is_refused_and_leaves_it_alone(tmp_path):
+    from PIL import Image
+
+    from pairsim.data import builder
+    from pairsim.data.build_config import BuildConfig
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "pairs.csv").write_text("filepath\ttitle\na.png\tone\n")
+    out = tmp_path / "mine"
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "part-00003.parquet").write_bytes(b"my own file")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(builder.BuildError, match=rf"--out {out}: not a pairsim dataset \(no manifest.json\) and not "
+                                                 r"empty \(2 files, e.g. .*\): a build could overwrite or delete them"):
+        builder.build(BuildConfig(format="csv", input=tmp_path / "pairs.csv", out=out), progress=False)
+    assert (out / "train" / "part-00003.parquet").read_bytes() == b"my own file"
+    assert sorted(p.name for p in out.rglob("*")) == ["notes.txt", "part-00003.parquet", "train"]

@@ -246,11 +246,24 @@ def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
         return _build(cfg, progress)
 
 
+def _check_output(out: Location) -> None:
+    """A build writes into a new or empty directory, a pairsim dataset (a split is added beside
+    the others) or a build of its own killed before its manifest (resumed from its markers);
+    anything else is refused, naming a file: its files could be overwritten or deleted."""
+    if (out / MANIFEST).is_file() or (out / MARKERS).files(recursive=True):
+        return
+    others = [f for f in out.files(recursive=True) if f.name not in (BUILD_LOCK, REJECTS)]
+    if others:
+        raise BuildError(f"--out {out}: not a pairsim dataset (no {MANIFEST}) and not empty ({len(others)} files, "
+                         f"e.g. {others[0]}): a build could overwrite or delete them; choose a new or empty directory")
+
+
 def _build(cfg: BuildConfig, progress: bool) -> Manifest:
     import ray
 
     from pairsim import cluster
 
+    _check_output(Location.of(cfg.out))
     try:
         options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
         listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split, **options)
