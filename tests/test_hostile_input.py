@@ -133,3 +133,24 @@ def test_a_build_into_a_folder_that_is_not_a_pairsim_dataset_is_refused_and_leav
         builder.build(BuildConfig(format="csv", input=tmp_path / "pairs.csv", out=out), progress=False)
     assert (out / "train" / "part-00003.parquet").read_bytes() == b"my own file"
     assert sorted(p.name for p in out.rglob("*")) == ["notes.txt", "part-00003.parquet", "train"]
+
+
+def test_inspect_checks_every_shard_and_writes_nothing_into_the_dataset(tmp_path, capsys):
+    from pairsim.data import shards, synth
+
+    data = tmp_path / "data"
+    synth.generate(data, num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    report = shards.inspect(data)
+    assert "train" in report and "contact sheet: --sheet PATH draws one" in report
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+    assert cli.main(["shards", "inspect", str(data), "--sheet", str(tmp_path / "sheet.png")]) == 0
+    assert (tmp_path / "sheet.png").is_file()
+    victim = sorted((data / "train").glob("*.parquet"))[1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # truncated
+    capsys.readouterr()
+    assert cli.main(["shards", "inspect", str(data)]) == 1
+    assert f"{victim}: not a readable Parquet shard" in capsys.readouterr().err
+    victim.unlink()  # deleted
+    assert cli.main(["shards", "inspect", str(data)]) == 1
+    assert "manifest lists 4 shards, found 3" in capsys.readouterr().err

@@ -280,7 +280,8 @@ def add_shards_parser(sub) -> None:
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=location_arg)
     inspect.add_argument("--samples", type=int, default=4, help="rows to print")
-    inspect.add_argument("--sheet", type=Path, help="contact sheet PNG (default DIR/contact_sheet.png)")
+    inspect.add_argument("--sheet", type=Path, help="write a contact sheet PNG of the first split here (none by default: "
+                                                   "nothing is written into the dataset)")
     inspect.set_defaults(func=_shards_inspect)
 
 
@@ -446,9 +447,10 @@ def main(argv: list[str] | None = None) -> int:
 def _reported_errors() -> tuple[type[Exception], ...]:
     """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
     as the engine's pulls in torch."""
+    from pairsim.data.shards import ShardError
     from pairsim.train.checkpoints import UnsafeCheckpointError
 
-    return BuildError, FileNotFoundError, SweepFailed, UnsafeCheckpointError
+    return BuildError, FileNotFoundError, ShardError, SweepFailed, UnsafeCheckpointError
 
 
 if __name__ == "__main__":

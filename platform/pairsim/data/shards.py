@@ -317,10 +317,14 @@ def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile
 
 
 def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, sheet_images: int = 12) -> str:
-    """A readable report — counts, schema, sample rows, top reject reasons — and a contact
-    sheet PNG (default ``DIR/contact_sheet.png``, ``./contact_sheet.png`` for a URI) of the first split."""
+    """A readable report — counts, schema, sample rows, top reject reasons — of a dataset whose
+    every shard is first checked against its manifest (there, whole, with the rows it lists:
+    :func:`verify_split`, footers only), and a contact sheet PNG of the first split written to
+    ``sheet`` when given (nothing is written into the dataset)."""
     root = Location.of(root)
     manifest = read_manifest(root)
+    for split in sorted(manifest.splits):
+        verify_split(root, split, manifest)
     lines = [f"{root}: {manifest.source} (schema v{manifest.schema_version}), "
              f"content hash {manifest.content_hash[:12]}"]
     for split, c in sorted(manifest.splits.items()):
@@ -336,6 +340,6 @@ def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, she
     for row in sample_rows(root, first, samples):
         lines.append(f"  {row['image_id']} {row['width']}×{row['height']} {len(row['image']):,} B  "
                      f"{row['captions'][:2]}{' …' if len(row['captions']) > 2 else ''}")
-    sheet = sheet or (Path(root.path) if root.is_local else Path()) / "contact_sheet.png"
-    lines += ["", f"contact sheet: {contact_sheet(sample_rows(root, first, sheet_images), Path(sheet))}"]
+    shown = contact_sheet(sample_rows(root, first, sheet_images), Path(sheet)) if sheet else "--sheet PATH draws one"
+    lines += ["", f"contact sheet: {shown}"]
     return "\n".join(lines)
