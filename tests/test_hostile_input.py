@@ -154,3 +154,17 @@ def test_inspect_checks_every_shard_and_writes_nothing_into_the_dataset(tmp_path
     victim.unlink()  # deleted
     assert cli.main(["shards", "inspect", str(data)]) == 1
     assert "manifest lists 4 shards, found 3" in capsys.readouterr().err
+
+
+def test_a_manifest_from_a_newer_format_is_refused_naming_the_field(tmp_path):
+    import json
+
+    from pairsim.data import shards, synth
+
+    data = tmp_path / "data"
+    synth.generate(data, num_train=8, num_val=4, num_test=0, progress=False)
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / "manifest.json").write_text(json.dumps(manifest | {"schema_version": 99, "new_field": 1}))
+    with pytest.raises(shards.ShardError, match=r"manifest.json: not a pairsim manifest \(schema_version: Input should "
+                                                r"be less than or equal to 1\)"):
+        shards.read_manifest(data)

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont, ImageOps
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pairsim.config import DataConfig
 from pairsim.storage import Location, LocationLike, filesystem_and_paths
@@ -138,7 +138,7 @@ class Manifest(BaseModel):
     settings (``generator``) ride along as an extra field."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
-    schema_version: int
+    schema_version: int = Field(ge=1, le=SCHEMA_VERSION, description="a newer pairsim's format is refused, not guessed at")
     source: str
     splits: dict[str, SplitInfo]
     rejected: int
