@@ -6,7 +6,9 @@ The lock is created only if absent (:meth:`pairsim.storage.Location.create`: ``O
 local or shared filesystem, a conditional put on S3) and holds who has it (user, host, pid, start
 time, command) and a heartbeat the holder rewrites every :data:`HEARTBEAT_S` seconds. A lock
 whose holder is gone is taken over with a warning: on the holder's own host when its pid is no
-longer alive, from anywhere when its heartbeat is older than :data:`STALE_AFTER_S`.
+longer alive, from anywhere when its heartbeat is older than :data:`STALE_AFTER_S`. Two starts
+taking over the same stale lock at once each re-read it before removing it; between that read
+and the removal (a few milliseconds) one could still remove the other's fresh lock.
 """
 
 from __future__ import annotations
