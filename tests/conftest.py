@@ -96,14 +96,16 @@ MLFLOW_DEFAULTS = ("mlruns", "mlartifacts")  # where MLflow writes when nobody s
 
 
 def new_experiment(uri: str, name: str = "tests") -> str:
-    """An experiment of the sqlite store ``uri`` whose artifacts go beside the store, not to
-    MLflow's default ``./mlruns`` (the working directory: the checkout)."""
+    """An experiment of the store ``uri``; a sqlite store's keeps its artifacts beside the store,
+    not in MLflow's default ``./mlruns`` (the working directory: the checkout). A server keeps
+    them where it was started to."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    found = client.get_experiment_by_name(name)
-    root = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
-    return found.experiment_id if found else client.create_experiment(name, artifact_location=root.as_uri())
+    if found := client.get_experiment_by_name(name):
+        return found.experiment_id
+    root = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts" if uri.startswith("sqlite:///") else None
+    return client.create_experiment(name, artifact_location=root and root.as_uri())
 
 
 
