@@ -119,60 +119,31 @@ def _chunk_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, self_ke
     return scores
 
 
-POSITIVE_GATHER_BUDGET = 1 << 24
-"""Most floats (queries × positives × d) gathered at once when scoring queries against their
-own positives (64 MB)."""
-
-
-def _best_positives(queries, keys, query_labels, keys_by_label, sorted_labels, self_keys):
-    """Each query's best positive (score, then lowest index): its positives' keys gathered by
-    label (``keys_by_label``: key indices sorted by label) and scored directly — queries × R × d
-    work, no pass over all the keys."""
-    n_keys = len(keys)
-    start = torch.searchsorted(sorted_labels, query_labels)
-    count = torch.searchsorted(sorted_labels, query_labels, right=True) - start
+def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, key_block) -> torch.Tensor:
+    """Exact 1-based rank of each query's first positive, in two passes over the keys: find the
+    best positive (score, then lowest index), then count the keys ranked above it."""
     best_score = torch.full((len(queries),), -torch.inf)
-    best_index = torch.full((len(queries),), n_keys, dtype=torch.long)
-    most = int(count.max()) if len(count) else 0
-    width = max(1, min(most, POSITIVE_GATHER_BUDGET // max(len(queries) * keys.shape[1], 1)))
-    for offset in range(0, most, width):
-        slot = offset + torch.arange(width)
-        valid = slot[None, :] < count[:, None]
-        index = torch.where(valid, keys_by_label[(start[:, None] + slot[None, :]).clamp(max=n_keys - 1)], n_keys)
-        scores = torch.einsum("qd,qrd->qr", queries, keys[index.clamp(max=n_keys - 1)])
-        scores = scores.masked_fill(~valid, -torch.inf)
-        if self_keys is not None:
-            scores = scores.masked_fill(index == self_keys[:, None], -torch.inf)
-        value = scores.max(1).values
-        lowest = torch.where((scores == value[:, None]) & ~torch.isinf(scores), index, n_keys).min(1).values
-        better = (value > best_score) | ((value == best_score) & (lowest < best_index))
-        best_score, best_index = torch.where(better, value, best_score), torch.where(better, lowest, best_index)
-    return best_score, best_index
-
-
-def _first_positive_ranks(queries, keys, best_score, best_index, self_keys, key_block) -> torch.Tensor:
-    """Exact 1-based rank of each query's best positive (``best_score``, ``best_index``): the
-    keys ranked above it counted in one pass over the keys. The best positive's own score in
-    the pass may round otherwise than the direct one (another matmul shape): it is never
-    counted above itself."""
+    best_index = torch.full((len(queries),), len(keys), dtype=torch.long)
+    for start in range(0, len(keys), key_block):
+        scores = _chunk_scores(queries, keys[start:start + key_block], start, self_keys)
+        positive = (key_labels[None, start:start + key_block] == query_labels[:, None]) & ~torch.isinf(scores)
+        value, index = torch.where(positive, scores, -torch.inf).max(1)
+        better = positive.any(1) & (value > best_score)
+        best_score, best_index = torch.where(better, value, best_score), torch.where(better, index + start, best_index)
     above = torch.zeros(len(queries), dtype=torch.long)
     for start in range(0, len(keys), key_block):
         scores = _chunk_scores(queries, keys[start:start + key_block], start, self_keys)
         index = torch.arange(start, start + scores.shape[1])
         above += ((scores > best_score[:, None]) |
                   ((scores == best_score[:, None]) & (index[None, :] < best_index[:, None]))).sum(1)
-        rows = ((best_index >= start) & (best_index < start + scores.shape[1])).nonzero().squeeze(1)
-        above[rows] -= (scores[rows, best_index[rows] - start] > best_score[rows]).long()
     return above + 1
 
 
 def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
-                        key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
-                        n_positive: torch.Tensor, self_keys: torch.Tensor | None, depth: int,
-                        key_block: int) -> QueryValues:
+                        key_labels: torch.Tensor, n_positive: torch.Tensor, self_keys: torch.Tensor | None,
+                        depth: int, key_block: int) -> QueryValues:
     """:class:`QueryValues` of one block of queries: its running top-``depth`` over the keys,
-    ``key_block`` at a time, then the exact first-positive rank of queries with none in it (their
-    best positive scored directly, the keys above it counted in one more pass)."""
+    ``key_block`` at a time, then the exact first-positive rank of queries with none in it."""
     best = torch.empty(len(queries), 0), torch.empty(len(queries), 0, dtype=torch.long)
     for k_start in range(0, len(keys), key_block):
         scores = _chunk_scores(queries, keys[k_start:k_start + key_block], k_start, self_keys)
@@ -182,9 +153,8 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
     first_rank = hits.int().argmax(1) + 1
     missing = ((n_positive > 0) & ~hits.any(1)).nonzero().squeeze(1)
     if len(missing):
-        own = None if self_keys is None else self_keys[missing]
-        best = _best_positives(queries[missing], keys, query_labels[missing], keys_by_label, sorted_labels, own)
-        first_rank[missing] = _first_positive_ranks(queries[missing], keys, *best, own, key_block)
+        first_rank[missing] = _first_positive_ranks(queries[missing], keys, query_labels[missing], key_labels,
+                                                    None if self_keys is None else self_keys[missing], key_block)
     return query_values(hits, n_positive, first_rank)
 
 
@@ -198,8 +168,7 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     Each block of q queries is scored against ``key_block`` keys at a time (chunked matmul),
     keeping a running top-D, D = max(max(ks), largest R), and is summarised
     (:func:`query_values`) before the next block starts; queries with no positive in their top D
-    get their first positive's exact rank from one further pass over the keys (their best
-    positive is scored directly from the keys that share its label). With
+    get their first positive's exact rank from two further passes over the keys. With
     q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block + D)) for the block
     plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
     """
@@ -215,15 +184,12 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         has_self = self_keys >= 0
         own_label = torch.where(has_self, key_labels[self_keys.clamp(min=0)], -1)
         n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
-    keys_by_label = torch.argsort(key_labels, stable=True)
-    sorted_labels = key_labels[keys_by_label]
     rankable = len(keys) - (0 if self_keys is None else 1)
     depth = min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable)
     query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
     parts = []
     for start in range(0, len(queries), query_block):
         block = slice(start, start + query_block)
-        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, keys_by_label,
-                                         sorted_labels, n_positive[block],
+        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, n_positive[block],
                                          None if self_keys is None else self_keys[block], depth, key_block))
     return metrics_from_query_values(parts, ks)
