@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Annotated:
         return _type_name(args[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " \\| ".join(_type_name(a) for a in args)
     if origin is typing.Literal:
         return " \\| ".join(repr(a) for a in args)

@@ -90,20 +90,27 @@ def test_arch_list_is_made_what_deepspeed_parses(raw, expected, crashed, monkeyp
             builder.compute_capability_args()
 
 
-@pytest.mark.parametrize("warmup", [0, 1, 5])
-def test_deepspeed_builds_the_schedule_and_no_warmup_starts_at_the_full_rate(warmup):
-    """The cusa_paper preset has no warm-up, which DeepSpeed's WarmupCosineLR refuses."""
+def schedule_rates(cfg, steps: int) -> list[float]:
+    """The LR of each of ``steps`` optimizer steps under the schedule DeepSpeed builds from the
+    config's derived ``scheduler`` section."""
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    cfg = load_config(None, [f"optim.warmup_steps={warmup}", "optim.lr=1e-3", "optim.min_lr_ratio=0.1"])
-    params = deepspeed_config(cfg.train, cfg.optim, total_steps=30)["scheduler"]["params"]
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    params = deepspeed_config(cfg.train, cfg.optim, total_steps=steps)["scheduler"]["params"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
     schedule = WarmupCosineLR(optimizer, **params)
     rates = []
-    for _ in range(30):
+    for _ in range(steps):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         schedule.step()
+    return rates
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_deepspeed_builds_the_schedule_and_no_warmup_starts_at_the_full_rate(warmup):
+    """The cusa_paper preset has no warm-up, which DeepSpeed's WarmupCosineLR refuses."""
+    rates = schedule_rates(load_config(None, [f"optim.warmup_steps={warmup}", "optim.lr=1e-3",
+                                              "optim.min_lr_ratio=0.1"]), steps=30)
     peak = rates.index(max(rates))
     assert max(rates) == pytest.approx(1e-3, rel=0 if warmup == 0 else 0.01)
     assert peak == 0 if warmup == 0 else (rates[0] == 0.0 and peak >= warmup)
@@ -113,17 +120,8 @@ def test_deepspeed_builds_the_schedule_and_no_warmup_starts_at_the_full_rate(war
 
 @pytest.mark.parametrize("preset", shipped_objectives())
 def test_every_objective_preset_gives_a_schedule_deepspeed_builds(preset):
-    from deepspeed.runtime.lr_schedules import WarmupCosineLR
-
     cfg = load_config([DEMO_CONFIG, objective_config(preset)])
-    params = deepspeed_config(cfg.train, cfg.optim, total_steps=100)["scheduler"]["params"]
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.optim.lr)
-    scheduler = WarmupCosineLR(optimizer, **params)
-    lrs = []
-    for _ in range(100):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    lrs = schedule_rates(cfg, steps=100)
     assert max(lrs) == pytest.approx(cfg.optim.lr, rel=1e-3)  # the preset's peak LR is reached
     peak = lrs.index(max(lrs))
     assert peak <= cfg.optim.warmup_steps + 2 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))

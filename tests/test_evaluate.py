@@ -154,8 +154,8 @@ def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed):
     assert blocked_retrieval_metrics(items, items, labels, labels, (1,), self_keys=self_keys, query_block=32,
                                      key_block=11) == pytest.approx(reference, abs=1e-9)
     g = torch.Generator().manual_seed(seed)  # 5 positives each, few in the top 5: tied and untrained
-    for queries, keys in ((torch.randint(-2, 3, (50, 3), generator=g).float(), torch.randint(-2, 3, (250, 3), generator=g).float()),
-                          (torch.randn(50, 16, generator=g), torch.randn(250, 16, generator=g))):
+    grid = (torch.randint(-2, 3, (50, 3), generator=g).float(), torch.randint(-2, 3, (250, 3), generator=g).float())
+    for queries, keys in (grid, (torch.randn(50, 16, generator=g), torch.randn(250, 16, generator=g))):
         ql, kl = torch.arange(50), torch.arange(50).repeat_interleave(5)
         sim = queries.double() @ keys.double().T
         reference = reference_metrics(sim, ql[:, None] == kl[None, :], (1, 5))

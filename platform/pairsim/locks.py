@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import getpass
 import json
-import logging
 import os
 import socket
 import sys
@@ -24,13 +23,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 from pairsim.config import ConfigError
+from pairsim.log import get_logger
 from pairsim.storage import Location, LocationLike
 
-logger = logging.getLogger(__name__)
+logger = get_logger("locks")
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats: the holder's machine is gone or cut off
@@ -107,7 +107,7 @@ class Lock:
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
                 if self._still_mine():
-                    self.holder = Holder(**(asdict(self.holder) | {"heartbeat": time.time()}))
+                    self.holder = replace(self.holder, heartbeat=time.time())
                     self.location.write_bytes(self.holder.to_json())
 
     def _still_mine(self) -> bool:

@@ -29,12 +29,14 @@ class _YamlLoader(yaml.SafeLoader):
       as a string); ``.inf`` and ``.nan`` stay floats (refused by the config as not finite).
     """
 
+    _depth = 0  # of the node being composed
+
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(None, None, f"an alias (*{event.anchor}) is not accepted in a config: "
                                                           "write the value out", event.start_mark)
-        self._depth = getattr(self, "_depth", 0) + 1
+        self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
                 raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_DEPTH} levels deep",
@@ -47,12 +49,13 @@ class _YamlLoader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, str | int | float | bool) and key in seen:
+            if not isinstance(key, str | int | float | bool):
+                continue  # an unhashable key: the constructor names it
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {str(key)[:80]!r} appears twice (lines {seen[key]} and "
                                 f"{key_node.start_mark.line + 1}): the second would replace the first", key_node.start_mark)
-            if isinstance(key, str | int | float | bool):
-                seen[key] = key_node.start_mark.line + 1
+            seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
 
