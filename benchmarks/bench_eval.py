@@ -2,8 +2,8 @@
 
     python benchmarks/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
     python benchmarks/bench_eval.py --sizes 1000 3000 --dim 512
-    python benchmarks/bench_eval.py --untrained --sizes 4000 10000 --dim 512 --dense-max 4000 \
-        --compare-with /tmp/metrics_old.py           # an early checkpoint: every rank from the exact pass
+    python benchmarks/bench_eval.py --regimes trained untrained --faiss --sizes 10000 --dim 512 --dense-max 0
+                                                      # untrained: an early checkpoint, every rank from the exact pass
     git show 95fdf8c:platform/pairsim/eval/metrics.py > /tmp/metrics_95fdf8c.py
     python benchmarks/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
         --compare-with /tmp/metrics_95fdf8c.py --mmap-threshold 131072
@@ -37,6 +37,8 @@ import time
 
 import torch
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import results
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 
 CAPTIONS = 5
@@ -118,35 +120,53 @@ def main() -> None:
                         help="a metrics.py whose blocked_retrieval_metrics is measured too")
     parser.add_argument("--faiss", action="store_true",
                         help="also faiss IndexFlatIP's exact top-10 (R@k only; checked equal to blocked's)")
-    parser.add_argument("--untrained", action="store_true",
-                        help="queries unrelated to their captions (an early checkpoint): R@1 near chance")
+    parser.add_argument("--regimes", nargs="+", choices=("trained", "untrained"), default=["trained"],
+                        help="trained: queries near their captions; untrained: unrelated (an early checkpoint), "
+                             "R@1 near chance; one table each")
     parser.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ (bytes) of the measuring processes")
+    results.add_results_argument(parser)
     args = parser.parse_args()
     if args.mmap_threshold is not None:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)  # read by each spawned process's glibc
+    started = time.perf_counter()
+    tables = [regime_table(args, untrained=regime == "untrained") for regime in args.regimes]
+    results.publish("bench_eval", tables, args.results, time.perf_counter() - started)
+
+
+def regime_table(args: argparse.Namespace, untrained: bool) -> results.Table:
     positives = "5 positives each" if args.classes is None else f"{args.classes} classes, R = 5N/{args.classes}"
-    positives += ", untrained queries" if args.untrained else ""
-    print(f"queries N × keys 5N ({positives}), d = {args.dim}, {torch.get_num_threads()} threads; "
-          f"peak = extra RSS over the inputs, mmap threshold {args.mmap_threshold or 'dynamic'}")
-    print(f"{'N':>8} {'keys':>8} | {'dense s':>9} {'dense MB':>9} | {'blocked s':>9} {'blocked MB':>10} | "
-          f"{'time ×':>7} {'memory ×':>8} | {'other s':>8} {'other MB':>8} | {'faiss s':>8} {'faiss MB':>8} "
-          f"{'÷faiss':>7} | R@1")
+    table = results.Table(
+        f"{'Untrained' if untrained else 'Trained'} queries: N queries × 5N keys ({positives}), d = {args.dim}, "
+        f"{torch.get_num_threads()} threads; each side in a fresh process, peak = VmHWM over the inputs' RSS "
+        f"(mmap threshold {args.mmap_threshold or 'dynamic'})",
+        ["N", "keys", "dense s", "dense MB", "blocked s", "blocked MB", "× dense time", "× dense memory"],
+        [",", ",", ".2f", ".0f", ".2f", ".0f", ".2f", ".3f"])
+    if args.compare_with:
+        table.columns += ["other s", "other MB"]
+        table.formats += [".2f", ".0f"]
+    if args.faiss:
+        table.columns += ["faiss s", "faiss MB", "÷ faiss time", "÷ faiss memory"]
+        table.formats += [".2f", ".0f", ".2f", ".1f"]
+    table.columns.append("R@1")
+    table.formats.append(".1f")
     for n in args.sizes:
-        blocked = measure("blocked", n, args.dim, args.classes, None, args.untrained)
-        dense = measure("dense", n, args.dim, args.classes, None, args.untrained) if n <= args.dense_max else None
-        other = (measure("other", n, args.dim, args.classes, args.compare_with, args.untrained) if args.compare_with
-                 else None)
-        faiss = measure("faiss", n, args.dim, args.classes, None, args.untrained) if args.faiss else None
+        blocked = measure("blocked", n, args.dim, args.classes, None, untrained)
+        dense = measure("dense", n, args.dim, args.classes, None, untrained) if n <= args.dense_max else None
+        other = measure("other", n, args.dim, args.classes, args.compare_with, untrained) if args.compare_with else None
+        faiss = measure("faiss", n, args.dim, args.classes, None, untrained) if args.faiss else None
         for name, result in (("dense", dense), ("other", other), ("faiss", faiss)):
             for key, value in (result[2] if result else {}).items():
                 assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])
-        cells = (f"{dense[0]:9.2f} {dense[1]:9.0f}" if dense else f"{'–':>9} {'–':>9}")
-        ratios = (f"{blocked[0] / dense[0]:7.2f} {blocked[1] / max(dense[1], 1):8.3f}" if dense else f"{'–':>7} {'–':>8}")
-        compared = (f"{other[0]:8.2f} {other[1]:8.0f}" if other else f"{'–':>8} {'–':>8}")
-        against = (f"{faiss[0]:8.2f} {faiss[1]:8.0f} {blocked[0] / faiss[0]:7.2f}" if faiss
-                   else f"{'–':>8} {'–':>8} {'–':>7}")
-        print(f"{n:>8,} {n * CAPTIONS:>8,} | {cells} | {blocked[0]:9.2f} {blocked[1]:10.0f} | {ratios} | "
-              f"{compared} | {against} | {blocked[2]['R@1']:.1f}", flush=True)
+        row = [n, n * CAPTIONS, *(dense[:2] if dense else (None, None)), blocked[0], blocked[1],
+               *((blocked[0] / dense[0], blocked[1] / max(dense[1], 1)) if dense else (None, None))]
+        if args.compare_with:
+            row += list(other[:2])
+        if args.faiss:
+            row += [faiss[0], faiss[1], blocked[0] / faiss[0], blocked[1] / max(faiss[1], 1)]
+        table.add(*row, blocked[2]["R@1"])
+        print(f"N = {n:,}: blocked {blocked[0]:.2f} s", flush=True)
+    table.notes.append("Every method gave blocked's metrics at every size (checked).")
+    return table
 
 
 if __name__ == "__main__":

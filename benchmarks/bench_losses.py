@@ -4,8 +4,12 @@
     python benchmarks/bench_losses.py --sizes 256 1024 --repeats 3
 
 Every loss gets the same random features (d = 512; teacher features d = 384 for CUSA) and the
-baseline, open_clip's ``ClipLoss``, is measured in the same run. Time is the median of
-``--repeats`` forward + backward passes after one warm-up. Peak extra memory (beyond the inputs)
+baseline, open_clip's ``ClipLoss``, is measured in the same run, in the same process, timed the
+same way: the median of ``--repeats`` forward + backward passes (``time.perf_counter``, the device
+synchronised around each) after one untimed warm-up pass. Each loss is timed twice: bare (its
+module called directly, as ``ClipLoss`` is) and through :class:`~pairsim.losses.Objective`, what
+training runs (one gather for every term, the finite check, the detached parts).
+Peak extra memory (beyond the inputs, through ``Objective``)
 comes from CUDA's allocator statistics or, on CPU, from ``torch.profiler``'s record of every
 allocation; it is reported in units of one B×B float32 matrix, beside the similarity matrices
 each loss must hold ("sims") and those plus the gradients autograd must hold for them
@@ -26,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from open_clip.loss import ClipLoss
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import results
 from pairsim.losses import CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, TripletHN, Unified
 
 DIM, TEACHER_DIM = 512, 384
@@ -44,21 +50,26 @@ LOSSES = {
 }
 
 
-def build(name: str, device: torch.device):
-    """A callable features → scalar loss."""
+def build(name: str, device: torch.device, wrapped: bool):
+    """A callable features → scalar loss: the loss module called directly (``wrapped`` False),
+    or through the :class:`Objective` that training runs (one gather, finite check, parts)."""
     if name == "ClipLoss (open_clip)":
         clip, scale = ClipLoss(), torch.tensor(20.0, device=device)
         return lambda f: clip(F.normalize(f["image"], dim=-1), F.normalize(f["text"], dim=-1), scale)
-    module = {
-        "InfoNCE": lambda: ImageTextLoss(InfoNCE()),
-        "Unified": lambda: ImageTextLoss(Unified()),
-        "Triplet-HN": lambda: ImageTextLoss(TripletHN()),
-        "GCL (InfoNCE)": lambda: GCLLoss(InfoNCE()),
-        "CUSA (Unified + CSA + USA)": lambda: Objective(ImageTextLoss(Unified()), CUSALoss()),
-    }[name]().to(device)
-    if isinstance(module, Objective):
-        return lambda f: module(**f)["loss"]
-    return lambda f: module(**f)
+    structure = {"InfoNCE": lambda: ImageTextLoss(InfoNCE()), "Unified": lambda: ImageTextLoss(Unified()),
+                 "Triplet-HN": lambda: ImageTextLoss(TripletHN()), "GCL (InfoNCE)": lambda: GCLLoss(InfoNCE()),
+                 "CUSA (Unified + CSA + USA)": lambda: ImageTextLoss(Unified())}[name]().to(device)
+    cusa = CUSALoss().to(device) if name.startswith("CUSA") else None
+    if wrapped:
+        objective = Objective(structure, cusa)
+        return lambda f: objective(**f)["loss"]
+    if cusa is None:
+        return lambda f: structure(**{k: f[k] for k in structure.inputs})
+
+    def bare_cusa(f):
+        csa, usa = cusa(**f)
+        return structure(image=f["image"], text=f["text"]) + 0.1 * csa + 0.5 * usa
+    return bare_cusa
 
 
 def features(name: str, b: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -81,8 +92,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_it(name: str, b: int, device: torch.device, repeats: int) -> float:
-    loss_fn, feats = build(name, device), features(name, b, device)
+def time_it(name: str, b: int, device: torch.device, repeats: int, wrapped: bool) -> float:
+    loss_fn, feats = build(name, device, wrapped), features(name, b, device)
     step(loss_fn, feats)
     times = []
     for _ in range(repeats):
@@ -98,7 +109,7 @@ def peak_extra_bytes(name: str, b: int, device: torch.device) -> int:
     """Peak bytes allocated beyond the inputs during one forward + backward: CUDA's allocator
     statistics, or on CPU the running sum of every op's allocations and frees as recorded by
     ``torch.profiler`` (``profile_memory=True``), in time order."""
-    loss_fn, feats = build(name, device), features(name, b, device)
+    loss_fn, feats = build(name, device, wrapped=True), features(name, b, device)
     if device.type == "cuda":
         sync(device)
         base = torch.cuda.memory_allocated()
@@ -123,28 +134,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", nargs="+", metavar="LOSS", help="losses to run beside ClipLoss (name prefixes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    results.add_results_argument(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
-    print(f"device {device} ({torch.get_num_threads()} threads), d = {DIM}, teacher d = {TEACHER_DIM}, "
-          f"median of {args.repeats}")
-    header = (f"{'loss':<28}{'B':>6}{'fwd+bwd ms':>12}{'× ClipLoss':>12}{'target':>8}"
-              f"{'peak extra':>12}{'sims':>6}{'+grads':>8}{'peak/(sims+grads)':>19}")
-    print(header)
-    print("-" * len(header))
+    started = time.perf_counter()
+    tables = []
     for b in args.sizes:
+        table = results.Table(
+            f"B = {b}: forward + backward on {device} ({torch.get_num_threads()} threads), d = {DIM}, "
+            f"teacher d = {TEACHER_DIM}, median of {args.repeats} after one warm-up",
+            ["loss", "bare ms", "× ClipLoss", "via Objective ms", "× ClipLoss", "target", "peak extra", "sims",
+             "+grads", "peak/(sims+grads)"],
+            ["", ".1f", ".2f", ".1f", ".2f", "", ".1f", "d", "d", ".2f"])
         matrix = b * b * 4
         baseline = None
         for name, (_, (sims, grads), target) in LOSSES.items():
             if args.only and target is not None and not any(name.startswith(o) for o in args.only):
                 continue
-            seconds = time_it(name, b, device, args.repeats)
-            baseline = baseline or seconds
+            bare = time_it(name, b, device, args.repeats, wrapped=False)
+            wrapped = None if target is None else time_it(name, b, device, args.repeats, wrapped=True)
+            baseline = baseline or bare
             extra = peak_extra_bytes(name, b, device) / matrix
-            ratio = seconds / baseline
-            flag = "" if target is None or ratio <= target else "  over target"
-            print(f"{name:<28}{b:>6}{seconds * 1e3:>12.1f}{ratio:>11.2f}×{(f'{target}×' if target else '—'):>8}"
-                  f"{extra:>12.1f}{sims:>6}{sims + grads:>8}{extra / (sims + grads):>19.2f}{flag}")
-        print()
+            table.add(name, bare * 1e3, bare / baseline, None if wrapped is None else wrapped * 1e3,
+                      None if wrapped is None else wrapped / baseline, f"{target}×" if target else None,
+                      extra, sims, sims + grads, extra / (sims + grads))
+        tables.append(table)
+    tables[-1].notes.append("Peak extra: the largest memory allocated during one pass through `Objective` beyond the "
+                           "inputs, in B×B float32 matrices (CUDA's allocator peak, or on CPU torch.profiler's record of "
+                           "every allocation); sims: the similarity matrices the loss must hold, +grads: with their "
+                           "gradients (the floor for any autograd implementation).")
+    results.publish("bench_losses", tables, args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,13 @@ Then ``--runs`` plain runs of the demo config for one epoch (256 train scenes at
 checkpoints and MLflow under OUT) on one local Ray instance started beforehand, as a sweep's
 trials or a test session's runs find it. Prints each run's ``perf/startup/<phase>_s`` (see
 :class:`pairsim.train.worker.StartupClock`), the medians, and the median start-up
-(``perf/startup_s``: ``fit`` called → first step done) over the floor; writes them with the
-commit to OUT/startup.json. The first run also pays for Ray's idle worker processes importing
+(``perf/startup_s``: ``fit`` called → first step done) over the floor, into the results files. The first run also pays for Ray's idle worker processes importing
 torch: the medians are over the later runs when there are more than one.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -24,10 +22,9 @@ import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
-from pairsim import tracking
+import results
 from pairsim.cli import DEMO_CONFIG
 from pairsim.config import load_config
 from pairsim.data import synth
@@ -48,7 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/startup"))
+    results.add_results_argument(parser)
     args = parser.parse_args()
+    started = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = synth.ensure(out / "shapes-256", num_train=256, num_val=48, num_test=0)
@@ -69,16 +68,16 @@ def main() -> None:
     phases = list(counted[0])
     median = {p: statistics.median(r[p] for r in counted) for p in phases}
 
-    print(f"\nstart-up of {args.runs} runs (demo config, 1 epoch, warm local instance); floor {floor:.1f} s\n")
-    print(f"{'phase':<16}" + "".join(f"{'run ' + str(i):>9}" for i in range(len(runs))) + f"{'median':>9}")
-    for p in phases:
-        print(f"{p:<16}" + "".join(f"{r[p]:9.1f}" for r in runs) + f"{median[p]:9.1f}")
     ratio = median["total"] / floor
-    print(f"\nmedian start-up / floor: {ratio:.2f}× (target ≤ 3×)" + ("" if len(runs) > 1 else " (one run: cold)"))
-    commit = tracking.context_tags()[MLFLOW_GIT_COMMIT]
-    (out / "startup.json").write_text(json.dumps({"commit": commit, "floor_s": floor, "runs": runs, "median": median,
-                                                  "ratio_to_floor": ratio}, indent=2))
-    print(f"written: {out / 'startup.json'} (commit {commit})")
+    table = results.Table(f"Start-up of {args.runs} runs (demo config, 1 epoch, warm local instance) by phase, s; "
+                          f"floor {floor:.1f} s (imports + model in a fresh process)",
+                          ["phase", *(f"run {i}" for i in range(len(runs))), "median"], ["", *[".1f"] * (len(runs) + 1)])
+    for p in phases:
+        table.add(p, *(r[p] for r in runs), median[p])
+    table.notes.append(f"Median start-up / floor: {ratio:.2f}× (target ≤ 3×)"
+                       + (f"; the median is over runs 1–{len(runs) - 1}, run 0 pays for Ray's idle workers' imports."
+                          if len(runs) > 1 else "; one run: cold."))
+    results.publish("bench_startup", [table], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

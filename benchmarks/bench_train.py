@@ -4,9 +4,14 @@ own training script (``open_clip_train``) on the same tiny model, data and batch
     python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
-``open_clip_train`` reads. Both tools get the same compute threads and one data worker.
-Steady-state samples/s is the median over logging windows after the first 10 steps; start-up
-is the time from launching the tool until its first training step has finished.
+``open_clip_train`` reads. Both tools get the same compute threads and one data worker, each in
+its own process tree started from here, and both log every 5 steps. Steady-state samples/s is
+the median, over the 5-step logging windows that start after step 10, of the window's samples
+over its time — each tool's own figure for it: pairsim's ``train/samples_per_s``,
+open_clip_train's batch size over its "Batch (t)" (the mean step time since its last log line;
+its "/s" figure is the last step's alone). Both windows hold the data waits and the logging of
+the previous line. Start-up is the time from launching the tool until its first training step
+has finished (open_clip_train's first log line; pairsim's ``perf/startup_s``, logged then).
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import results
+
 from pairsim.data import shards, synth
 
 WARMUP_STEPS = 10
+LOG_EVERY = 5
 
 
 def export_csv(dataset: Path, out: Path) -> Path:
@@ -50,7 +59,7 @@ def run_open_clip_train(table: Path, out: Path, batch_size: int, threads: int, n
     args = ["--train-data", str(table), "--dataset-type", "csv", "--csv-img-key", "filepath",
             "--csv-caption-key", "title", "--model", "pairsim-tiny", "--batch-size", str(batch_size),
             "--epochs", "1", "--workers", "1", "--device", "cpu", "--precision", "fp32", "--lr", "1e-3",
-            "--warmup", "10", "--wd", "0.1", "--log-every-n-steps", "1", "--save-frequency", "0",
+            "--warmup", "10", "--wd", "0.1", "--log-every-n-steps", str(LOG_EVERY), "--save-frequency", "0",
             "--zeroshot-frequency", "0", "--val-frequency", "0", "--logs", str(out / "open_clip_logs"),
             "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(num_samples)]
     code = ("import sys, pairsim.models.clip; from open_clip_train.main import main; main(sys.argv[1:])")
@@ -61,14 +70,13 @@ def run_open_clip_train(table: Path, out: Path, batch_size: int, threads: int, n
     if proc.returncode != 0:
         raise RuntimeError(f"open_clip_train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     log = proc.stdout + proc.stderr
-    pattern = r"(\d{4}-\d\d-\d\d,\d\d:\d\d:\d\d) \| INFO \| Train Epoch: \d+ \[\s*(\d+)/.*?, ([\d.]+)/s, "
-    steps = [(datetime.strptime(t, "%Y-%m-%d,%H:%M:%S").timestamp(), int(n) // batch_size, float(r))
-             for t, n, r in re.findall(pattern, log)]
-    if len(steps) <= WARMUP_STEPS:
-        raise RuntimeError(f"open_clip_train logged {len(steps)} steps:\n{log[-3000:]}")
-    first_step_at = next(t for t, n, _ in steps if n >= 1)
-    steady = statistics.median(r for _, n, r in steps if n > WARMUP_STEPS)
-    return steady, first_step_at - start, wall
+    pattern = r"(\d{4}-\d\d-\d\d,\d\d:\d\d:\d\d) \| INFO \| Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): ([\d.]+),"
+    windows = [(datetime.strptime(t, "%Y-%m-%d,%H:%M:%S").timestamp(), int(n) // batch_size, batch_size / float(b))
+               for t, n, b in re.findall(pattern, log)]
+    steady = [rate for _, end, rate in windows if end - LOG_EVERY + 1 > WARMUP_STEPS]
+    if not steady:
+        raise RuntimeError(f"open_clip_train logged {len(windows)} windows:\n{log[-3000:]}")
+    return statistics.median(steady), windows[0][0] - start, wall
 
 
 def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
@@ -80,7 +88,7 @@ def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
     cfg = load_config(None, [
         f"data.path={dataset}", "model.arch=pairsim-tiny", "train.num_workers=1",
         f"train.cpus_per_worker={threads}", "ray.data_cpus=1", "train.zero_stage=0", "train.precision=fp32",
-        f"train.micro_batch_size={batch_size}", "train.epochs=1", "train.log_every_n_steps=5",
+        f"train.micro_batch_size={batch_size}", "train.epochs=1", f"train.log_every_n_steps={LOG_EVERY}",
         "optim.lr=1e-3", "optim.warmup_steps=10", "optim.weight_decay=0.1",
         f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
     start = time.time()
@@ -88,10 +96,8 @@ def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
     wall = time.time() - start
     client = MlflowClient(result.tracking_uri)
     rates = client.get_metric_history(result.mlflow_run_id, "train/samples_per_s")
-    steady = statistics.median(m.value for m in rates if m.step > WARMUP_STEPS)
-    first = min(rates, key=lambda m: m.step)
-    # the first logged window ends at step 5: back out the time of step 1 from its rate
-    first_step_at = first.timestamp / 1000 - (first.step - 1) * batch_size / first.value
+    steady = statistics.median(m.value for m in rates if m.step - LOG_EVERY + 1 > WARMUP_STEPS)
+    first_step_at = client.get_metric_history(result.mlflow_run_id, "perf/startup_s")[0].timestamp / 1000
     return steady, first_step_at - start, wall
 
 
@@ -101,7 +107,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="compute threads for each tool")
     parser.add_argument("--out", type=Path, default=Path("bench_out/train"))
+    results.add_results_argument(parser)
     args = parser.parse_args()
+    started = time.perf_counter()
     out = args.out.resolve()
     dataset = out / "shapes"
     if not (dataset / shards.MANIFEST).exists():
@@ -113,12 +121,16 @@ def main() -> None:
     oc_rate, oc_start, oc_wall = run_open_clip_train(table, out, args.batch_size, args.threads, args.images)
     ps_rate, ps_start, ps_wall = run_pairsim(dataset, out, args.batch_size, args.threads)
 
-    print(f"\ntraining throughput, pairsim-tiny, batch {args.batch_size}, {args.images} images, "
-          f"{args.threads} compute threads + 1 data worker each")
-    print(f"{'tool':<34}{'steady samples/s':>18}{'ratio':>8}{'start-up s':>12}{'wall s':>9}")
-    print(f"{'open_clip_train (baseline)':<34}{oc_rate:>18.1f}{1.0:>8.2f}{oc_start:>12.1f}{oc_wall:>9.1f}")
-    print(f"{'pairsim (1 worker, ZeRO-0, fp32)':<34}{ps_rate:>18.1f}{ps_rate / oc_rate:>8.2f}"
-          f"{ps_start:>12.1f}{ps_wall:>9.1f}")
+    table = results.Table(
+        f"Training throughput: pairsim-tiny, batch {args.batch_size}, {args.images} images, 1 epoch, "
+        f"{args.threads} compute threads + 1 data worker each",
+        ["tool", "steady samples/s", "ratio", "start-up s", "wall s"], ["", ".1f", ".2f", ".1f", ".1f"])
+    table.add("open_clip_train (baseline)", oc_rate, 1.0, oc_start, oc_wall)
+    table.add("pairsim (1 worker, ZeRO-0, fp32)", ps_rate, ps_rate / oc_rate, ps_start, ps_wall)
+    table.notes.append(f"Steady: the median rate over the {LOG_EVERY}-step logging windows after step {WARMUP_STEPS}. "
+                       "pairsim's wall time also holds Ray's start, a val evaluation and a checkpoint, which the "
+                       "baseline was told to skip.")
+    results.publish("bench_train", [table], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

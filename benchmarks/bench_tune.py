@@ -13,7 +13,7 @@ trial-epochs and wall time, and the start-up of a trial (trial start → its fir
 Then a trial's start-up by phase (``perf/startup/<phase>_s`` of every trial's MLflow run, see
 :class:`pairsim.train.worker.StartupClock`), the medians, and the median trial start-up against
 the floor of ``bench_startup.py`` (a fresh process importing torch, deepspeed and open_clip and
-building the model), measured in the same run; all of it, with the commit, to OUT/tune.json.
+building the model), measured in the same run; all of it into the results files.
 
 Targets: ASHA's best within 1 RSUM point of FIFO's with at most half its trial-epochs; a
 trial's start-up at most 1.2× a plain run's and at most 3× the floor.
@@ -22,18 +22,16 @@ trial's start-up at most 1.2× a plain run's and at most 3× the floor.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import yaml
 from mlflow.tracking import MlflowClient
-from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import results
 from bench_startup import floor_seconds
-from pairsim import tracking
 from pairsim.data import synth
 from pairsim.train import driver
 from pairsim.tune.space import load_sweep
@@ -76,7 +74,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--reduction-factor", type=float, default=3.0, help="ASHA's: the top 1/rf go on at a rung")
     parser.add_argument("--out", type=Path, default=Path("bench_out/tune"))
+    results.add_results_argument(parser)
     args = parser.parse_args()
+    started = time.perf_counter()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = synth.ensure(out / f"shapes-{args.num_train}", num_train=args.num_train, num_val=args.num_val, num_test=0)
@@ -96,36 +96,30 @@ def main() -> None:
     plain = driver.fit(plain_cfg)
     plain_startup = startup_seconds(plain.tracking_uri, plain.mlflow_run_id)
 
-    print(f"\nshapes {args.num_train} train / {args.num_val} val, {args.trials} trials of up to {args.epochs} "
-          f"epochs, one at a time, random search seed 0 over loss.margin × loss.gamma\n")
-    print(f"{'sweep':6} {'best val rsum':>14} {'trial-epochs':>13} {'wall s':>8} {'stopped early':>14} "
-          f"{'median start-up s':>18}")
+    sweeps = results.Table(
+        f"Shapes {args.num_train} train / {args.num_val} val, {args.trials} trials of up to {args.epochs} epochs, one at "
+        f"a time, random search seed 0 over loss.margin × loss.gamma",
+        ["sweep", "best val RSUM", "trial-epochs", "wall s", "stopped early", "median start-up s"],
+        ["", ".2f", "d", ".0f", "d", ".1f"])
     for scheduler, (outcome, wall, startups) in rows.items():
-        print(f"{scheduler:6} {outcome.best.metric:14.2f} {sum(r.epochs for r in outcome.rows):13d} {wall:8.0f} "
-              f"{sum(r.status == 'stopped early' for r in outcome.rows):14d} {statistics.median(startups):18.1f}")
+        sweeps.add(scheduler, outcome.best.metric, sum(r.epochs for r in outcome.rows), wall,
+                   sum(r.status == "stopped early" for r in outcome.rows), statistics.median(startups))
     fifo, asha = rows["fifo"][0], rows["asha"][0]
-    epochs_ratio = sum(r.epochs for r in asha.rows) / sum(r.epochs for r in fifo.rows)
     trial_startup = statistics.median(rows["fifo"][2] + rows["asha"][2])
-    print(f"\nASHA best − FIFO best: {asha.best.metric - fifo.best.metric:+.2f} RSUM (target ≥ −1)")
-    print(f"ASHA / FIFO trial-epochs: {epochs_ratio:.2f} (target ≤ 0.5)")
-    print(f"start-up: plain run {plain_startup:.1f} s, trial median {trial_startup:.1f} s, "
-          f"ratio {trial_startup / plain_startup:.2f} (target ≤ 1.2)")
     trials = [startup_phases(outcome.tracking_uri, r.run_id) for outcome, _, _ in rows.values()
               for r in outcome.rows if r.run_id]
     phases = list(dict.fromkeys(p for t in trials for p in t if p != "total")) + ["total"]
     median = {p: statistics.median(t[p] for t in trials if p in t) for p in phases}
-    print(f"\ntrial start-up by phase, median of {len(trials)} trials (s):")
-    print("  ".join(f"{p} {median[p]:.1f}" for p in phases))
-    print(f"trial start-up / floor ({floor:.1f} s: imports + model in a fresh process): "
-          f"{median['total'] / floor:.2f}× (target ≤ 3×)")
-    commit = tracking.context_tags()[MLFLOW_GIT_COMMIT]
-    (out / "tune.json").write_text(json.dumps({
-        "commit": commit, "floor_s": floor, "plain_startup_s": plain_startup, "trial_startup_median": median,
-        "trial_startups": trials, "ratio_to_floor": median["total"] / floor, "ratio_to_plain": trial_startup / plain_startup,
-        "sweeps": {k: {"best": o.best.metric, "trial_epochs": sum(r.epochs for r in o.rows), "wall_s": w}
-                   for k, (o, w, _) in rows.items()}}, indent=2))
-    print(f"MLflow: {tracking.resolve_tracking_uri(sweep.base.tracking.tracking_uri)}; written: {out / 'tune.json'} "
-          f"(commit {commit})")
+    targets = results.Table("Against the targets", ["measure", "value", "target"], ["", ".2f", ""])
+    targets.add("ASHA best − FIFO best (RSUM)", asha.best.metric - fifo.best.metric, "≥ −1")
+    targets.add("ASHA / FIFO trial-epochs", sum(r.epochs for r in asha.rows) / sum(r.epochs for r in fifo.rows), "≤ 0.5")
+    targets.add(f"trial start-up / plain run's ({trial_startup:.1f} / {plain_startup:.1f} s)",
+                trial_startup / plain_startup, "≤ 1.2")
+    targets.add(f"trial start-up / floor ({median['total']:.1f} / {floor:.1f} s)", median["total"] / floor, "≤ 3")
+    by_phase = results.Table(f"Trial start-up by phase, median of {len(trials)} trials", ["phase", "s"], ["", ".1f"])
+    for p in phases:
+        by_phase.add(p, median[p])
+    results.publish("bench_tune", [sweeps, targets, by_phase], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -243,30 +243,30 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
 
 
 def test_pbt_a_weak_trial_continues_from_a_strong_ones_checkpoint(ray_instance, tiny_dataset, tmp_path):
-    """Population Based Training, 4 trials of 2 epochs taking turns on the instance (one at a
-    time: each pauses after epoch 1 and resumes from its checkpoint). Learning rates 2e-3, 1e-7,
-    2e-3, 1e-7: once all four have reported epoch 1, the lower half (lr 1e-7, learns nothing)
-    continues from the upper half's epoch-1 checkpoints with their hyperparameters explored
-    (lr ×1.2 or ×0.8, or drawn anew). Its MLflow child run records the clone and its learning rate
-    per epoch; the population picture is in the parent run."""
+    """Population Based Training, 2 trials of 2 epochs taking turns on the instance (one at a
+    time: each pauses after epoch 1 and resumes from its checkpoint). Learning rates 2e-3 and
+    1e-7: once both have reported epoch 1, the lower half (lr 1e-7, learns nothing) continues
+    from the upper half's epoch-1 checkpoint with its hyperparameters explored (lr ×1.2 or ×0.8,
+    or drawn anew). Its MLflow child run records the clone and its learning rate per epoch; the
+    population picture is in the parent run."""
     from pairsim.tune.sweep import run_sweep
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "pbt.yaml", tiny_dataset, tmp_path / "ray", uri,
-                       {"optim.lr": {"grid": [2.0e-3, 1.0e-7, 2.0e-3, 1.0e-7]}},
+                       {"optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
                        {"search": "grid", "num_samples": 1, "scheduler": "pbt", "max_concurrent_trials": 1,
                         "pbt": {"perturbation_interval": 1, "quantile_fraction": 0.5,
                                 "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}})
     sweep = load_sweep(path)
     outcome = run_sweep(sweep, "pbt")
-    assert len(outcome.rows) == 4 and {r.status for r in outcome.rows} == {"finished"}
+    assert len(outcome.rows) == 2 and {r.status for r in outcome.rows} == {"finished"}
     assert all(r.epochs == 2 for r in outcome.rows)
     by_id = {r.trial_id: r for r in outcome.rows}
-    first, second, third, fourth = sorted(by_id)  # Tune numbers the grid's trials in order
+    first, second = sorted(by_id)  # Tune numbers the grid's trials in order
     clone = by_id[second]  # the lower half (lr 1e-7) continues from the upper half (lr 2e-3)
-    assert [e for e, _ in clone.clones] == [1] and clone.clones[0][1] in (first, third), [
+    assert [e for e, _ in clone.clones] == [1] and clone.clones[0][1] == first, [
         (r.trial_id, r.point, r.clones) for r in outcome.rows]
-    assert not by_id[first].clones and not by_id[third].clones
+    assert not by_id[first].clones
     assert 1.0e-4 <= clone.point["optim.lr"] <= 3.0e-3  # the first's 2e-3, explored and clipped
     curve = dict(clone.curve)
     assert curve[2] > curve[1] + 20, curve  # from the first's weights: far above what lr 1e-7 reached

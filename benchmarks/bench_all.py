@@ -1,0 +1,68 @@
+"""Every benchmark in one command: each figure the docs show, regenerated with its provenance.
+
+    python benchmarks/bench_all.py                         # the documented sizes → benchmarks/results/
+    python benchmarks/bench_all.py --quick                 # tiny sizes, minutes → bench_out/results-quick/
+    python benchmarks/bench_all.py --only losses eval      # some of them
+
+Runs each benchmark script in its own process, one after another (never two at once: they
+time the machine), with the arguments of the chosen profile, each writing
+``<results>/<benchmark>.json`` and ``.md`` (see ``results.py``); then ``bench_all.json`` and
+``.md``: what ran, for how long, and whether it finished. The docs include the Markdown files
+of ``benchmarks/results/`` as they are. Exit status 1 when any benchmark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import results
+
+HERE = Path(__file__).resolve().parent
+
+# benchmark → (arguments of the documented run, arguments of the quick run)
+PROFILES: dict[str, tuple[list[str], list[str]]] = {
+    "losses": ([], ["--sizes", "128", "--repeats", "2"]),
+    "eval": (["--sizes", "1000", "3000", "10000", "--dim", "512", "--dense-max", "3000", "--faiss",
+              "--regimes", "trained", "untrained"],
+             ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
+    "ingest": ([], ["--images", "256", "--repeats", "1", "--skip-training"]),
+    "train": ([], ["--images", "1280"]),  # 20 steps: two 5-step windows after the warm-up
+    "startup": ([], ["--runs", "1"]),
+    "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
+             ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks every script end to end in minutes")
+    parser.add_argument("--only", nargs="+", choices=list(PROFILES), metavar="NAME",
+                        help=f"some of: {', '.join(PROFILES)}")
+    parser.add_argument("--results", type=Path, help="default benchmarks/results/ (bench_out/results-quick/ with --quick)")
+    parser.add_argument("--work", type=Path, default=Path("bench_out"), help="the benchmarks' data and runs")
+    args = parser.parse_args()
+    directory = (args.results or (Path("bench_out/results-quick") if args.quick else results.DEFAULT_DIR)).resolve()
+    profile = "quick" if args.quick else "documented"
+    table = results.Table(f"bench_all ({profile} sizes): each benchmark in its own process, one after another",
+                          ["benchmark", "arguments", "wall s", "finished"], ["", "", ".0f", ""])
+    started = time.perf_counter()
+    for name in args.only or PROFILES:
+        extra = PROFILES[name][1 if args.quick else 0]
+        command = [sys.executable, str(HERE / f"bench_{name}.py"), *extra, "--results", str(directory)]
+        if name not in ("losses", "eval"):
+            command += ["--out", str((args.work / ("quick" if args.quick else "") / name).resolve())]
+        print(f"\n=== bench_{name} {' '.join(extra)}", flush=True)
+        began = time.perf_counter()
+        done = subprocess.run(command, cwd=HERE)
+        table.add(f"bench_{name}", " ".join(extra) or "(defaults)", time.perf_counter() - began,
+                  "yes" if done.returncode == 0 else f"no (exit {done.returncode})")
+    results.publish("bench_all", [table], directory, time.perf_counter() - started)
+    return 0 if all(row[-1] == "yes" for row in table.rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Every figure the benchmarks page shows is a results file that a script wrote: the page
+includes ``benchmarks/results/*.md`` as they are, each the rendering of its JSON (values,
+command, commit, machine, packages), and ``bench_all.py --quick`` regenerates all of them."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_all  # noqa: E402
+import results  # noqa: E402
+
+sys.path.remove(str(REPO / "benchmarks"))  # its checkout_path and reproduce modules stay out of other tests' way
+
+PAGE = REPO / "docs" / "benchmarks.md"
+INCLUDE = re.compile(r'^--8<-- "(benchmarks/results/[\w.-]+\.md)"$', re.M)
+
+
+def check_results_file(json_file: Path) -> dict:
+    result = json.loads(json_file.read_text())
+    env = result["environment"]
+    assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", env["commit"]), env["commit"]
+    assert env["machine"]["cores"] >= 1 and "torch" in env["packages"] and env["date"]
+    assert result["command"].startswith(f"python benchmarks/{json_file.stem}.py")
+    for table in result["tables"]:
+        assert table["rows"] and all(len(row) == len(table["columns"]) == len(table["formats"]) for row in table["rows"])
+    assert json_file.with_suffix(".md").read_text() == results.render(result), f"{json_file.name}: .md is not its JSON"
+    return result
+
+
+def test_the_page_includes_every_results_file_and_holds_no_table_of_its_own():
+    page = PAGE.read_text()
+    included = INCLUDE.findall(page)
+    written = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "benchmarks" / "results").glob("*.md"))
+    assert sorted(included) == written
+    assert sorted([*(f"bench_{name}" for name in bench_all.PROFILES), "bench_all"]) == \
+        sorted(Path(p).stem for p in written)
+    outside_code = re.sub(r"```.*?```", "", page, flags=re.S)
+    assert not re.search(r"^\s*\|", outside_code, re.M), "a table typed into the page instead of a results file"
+    assert all(block.startswith("```bash") for block in re.findall(r"```\w*", page)[::2])
+
+
+def test_each_documented_table_is_the_rendering_of_its_results_file():
+    for json_file in sorted((REPO / "benchmarks" / "results").glob("*.json")):
+        check_results_file(json_file)
+
+
+def test_a_rendered_table_shows_what_its_json_holds():
+    table = results.Table("t", ["name", "n", "ratio"], ["", ",", ".2f"])
+    table.add("a", 12345, 0.5)
+    table.add("b", None, 1.234)
+    with pytest.raises(ValueError, match="2 values for 3 columns"):
+        table.add("c", 1)
+    md = results.render({"command": "python benchmarks/x.py", "seconds": 3.0, "tables": [table.__dict__],
+                         "environment": {"commit": "abc1234", "date": "d", "python": "3.11", "packages": {"torch": "2"},
+                                         "machine": {"cores": 2, "cpu": "c", "memory_gib": 1.0, "gpu": None}}})
+    assert "| a | 12,345 | 0.50 |" in md and "| b | – | 1.23 |" in md and "|---|---:|---:|" in md
+    assert results._as_rerun("python b.py --sizes 1 --results /tmp/r --out /tmp/o") == "python b.py --sizes 1"
+
+
+@pytest.mark.slow
+def test_bench_all_quick_regenerates_every_results_file(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the session's
+    done = subprocess.run([sys.executable, "benchmarks/bench_all.py", "--quick", "--results", str(tmp_path / "results"),
+                           "--work", str(tmp_path / "work")], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = check_results_file(tmp_path / "results" / "bench_all.json")
+    assert [row[0] for row in summary["tables"][0]["rows"]] == [f"bench_{name}" for name in bench_all.PROFILES]
+    assert all(row[-1] == "yes" for row in summary["tables"][0]["rows"])
+    for name in bench_all.PROFILES:
+        result = check_results_file(tmp_path / "results" / f"bench_{name}.json")
+        assert result["environment"]["commit"].split("+")[0] == subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
