@@ -19,7 +19,8 @@ def export(path, seed, heads=True, unimodal=False, arch="pairsim-tiny"):
     torch.manual_seed(seed)
     cfg = ModelConfig(arch=arch, crossmodal_heads=heads)
     model = retrieval.create_retrieval_model(cfg, unimodal_heads=unimodal)
-    retrieval.write_exported(retrieval.model_card(cfg, model, epoch=3), model.state_dict(), path)
+    retrieval.write_exported(retrieval.model_card(cfg, model, zero_stage=0, epoch=3, step=30, val={}),
+                             model.state_dict(), path)
     return model
 
 
