@@ -1,11 +1,15 @@
 """A saved model — a checkpoint directory or an export — as it is checked before any of it is
-loaded: its model card (:class:`ModelCard`, read by :func:`read_card`), every file pairsim
-writes beside the weights read within bounds into its typed model (:func:`read_metadata`);
-nothing here imports torch."""
+loaded: its model card (:class:`ModelCard`, read by :func:`read_card`) and its files, each
+inside its folder (:func:`outside`) and matching its SHA-256 (:func:`checksum_problems`).
+:func:`pairsim.train.checkpoints.verify_checkpoint` and
+:func:`pairsim.models.retrieval.verified_export_card` apply them; nothing here imports torch."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
@@ -17,8 +21,9 @@ MAX_METADATA_BYTES = 1 << 20  # a card or checksum file: a few kB as pairsim wri
 
 
 class UnsafeCheckpointError(ValueError):
-    """A checkpoint or export refused before any of it is loaded: a card or checksum file that
-    is not what pairsim writes, or a pickle that would run code."""
+    """A checkpoint or export refused before any of it is loaded: a file that links outside its
+    folder or differs from its checksum, a card or checksum file that is not what pairsim
+    writes, or a pickle that would run code."""
 
 
 class MetadataError(UnsafeCheckpointError):
@@ -27,6 +32,13 @@ class MetadataError(UnsafeCheckpointError):
 
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ExportChecksums(Section):
+    """The SHA-256 of an export's files, kept in its card."""
+
+    weights: Sha256 = Field(description="of the open_clip weights file (model.pt)")
+    heads: Sha256 | None = Field(description="of the heads side file (model.heads.pt); null when the model has none")
 
 
 class ModelCard(Section):
@@ -43,6 +55,9 @@ class ModelCard(Section):
     epoch: Int = Field(ge=1, description="the epochs trained when it was saved")
     step: Int = Field(ge=0, description="the optimizer steps taken when it was saved")
     val: dict[str, Float] = Field(description="the val metrics of that epoch")
+    sha256: ExportChecksums | None = Field(
+        None, description="an export's: the SHA-256 of its files (a checkpoint's are in pairsim_checksums/; "
+                          "exports written before pairsim kept them have none)")
 
 
 Metadata = TypeVar("Metadata", bound=BaseModel)
@@ -75,3 +90,39 @@ def read_card(source: storage.LocationLike) -> ModelCard:
     """The model card at ``source`` (:func:`read_metadata`): every reader of a card reads it here."""
     return read_metadata(source, ModelCard)
 
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def outside(root: Path, paths: Iterable[Path]) -> list[str]:
+    """A problem for each of ``paths`` that resolves outside ``root`` (a link to a file or folder
+    elsewhere, or a name with ``..``) or not at all (a loop of links), each named."""
+    base, problems = root.resolve(), []
+    for path in paths:
+        name = path.relative_to(root) if path.is_relative_to(root) else path
+        try:
+            target = path.resolve()
+        except RuntimeError:  # Path.resolve's word for a loop
+            problems.append(f"{name}: a loop of links")
+            continue
+        if not target.is_relative_to(base):
+            problems.append(f"{name}: leads to {target}, outside {root}")
+    return problems
+
+
+def checksum_problems(root: Path, expected: dict[str, str]) -> list[str]:
+    """A problem for each file ``expected`` names (relative to ``root``, with its SHA-256) that is
+    outside ``root``, missing, or differs from its checksum."""
+    if problems := outside(root, [root / name for name in expected]):
+        return problems
+    for name, digest in expected.items():
+        if not (root / name).is_file():
+            problems.append(f"{name}: missing")
+        elif sha256(root / name) != digest:
+            problems.append(f"{name}: content differs from its checksum (truncated or altered)")
+    return problems

@@ -5,12 +5,13 @@ A checkpoint is a Ray Train checkpoint directory holding a DeepSpeed checkpoint 
 (``pairsim_model.json``, written by rank 0) that rebuilds the model, and one checksum file per
 rank (``pairsim_checksums/rank_N.json``: SHA-256 of every file that rank wrote).
 
-Loading never runs code from a checkpoint: every ``.pt`` file is opened with
-``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own loader, which
-unpickles freely. :func:`verify_checkpoint` checks the model card
-(:class:`~pairsim.models.saved.ModelCard`), files, checksums and that every rank's part is
-there; on resume the newest checkpoint that passes is used and newer ones that fail are
-reported and skipped (:func:`resume_point`); ``model.init_from`` takes only one that passes
+Loading never runs code from a checkpoint nor reads a file outside it: every file must stay
+inside the checkpoint directory (a link leading elsewhere is refused), and every ``.pt`` file is
+opened with ``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own
+loader, which unpickles freely. :func:`verify_checkpoint` checks those, the model card
+(:class:`~pairsim.models.saved.ModelCard`), checksums and that every rank's part is there; on
+resume the newest checkpoint that passes is used and newer ones that fail are reported and
+skipped (:func:`resume_point`); export and ``model.init_from`` take only one that passes
 (:func:`verified_card`); ``pairsim checkpoints list|verify`` shows the same.
 :func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
 weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
@@ -21,9 +22,9 @@ weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weigh
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
+import os
 import pickle
 import tempfile
 import time
@@ -78,10 +79,18 @@ def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
                                     f"({reason}); nothing in it was run") from None
 
 
+def links_outside(ckpt_dir: Path) -> list[str]:
+    """A problem for each file or folder in a checkpoint that leads outside it (:func:`saved.outside`)."""
+    return saved.outside(ckpt_dir, [Path(folder, name) for folder, folders, files in os.walk(ckpt_dir)
+                                    for name in folders + files])  # os.walk does not follow links
+
+
 def verify_checkpoint_files(ckpt_dir: str | Path) -> None:
-    """Open every ``.pt`` file of a checkpoint with :func:`load_checkpoint_file` (memory-mapped,
-    so tensors are not read) before DeepSpeed's loader, which unpickles with
-    ``weights_only=False``, touches any."""
+    """Refuse a checkpoint with a file that leads outside it (:func:`links_outside`), then open
+    every ``.pt`` file with :func:`load_checkpoint_file` (memory-mapped, so tensors are not read)
+    before DeepSpeed's loader, which unpickles with ``weights_only=False``, touches any."""
+    if problems := links_outside(Path(ckpt_dir)):
+        raise UnsafeCheckpointError(f"{ckpt_dir}: refused: {'; '.join(problems)}")
     for path in sorted(Path(ckpt_dir).rglob("*.pt")):
         load_checkpoint_file(path, mmap=True)
 
@@ -90,28 +99,23 @@ def write_checksums(ckpt_dir: str | Path, rank: int, world_size: int) -> None:
     """``pairsim_checksums/rank_<rank>.json``: the SHA-256 of every file this rank wrote into
     ``ckpt_dir`` (Ray Train merges the ranks' directories into one checkpoint)."""
     root = Path(ckpt_dir)
-    files = {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*"))
+    files = {p.relative_to(root).as_posix(): saved.sha256(p) for p in sorted(root.rglob("*"))
              if p.is_file() and CHECKSUMS_DIR not in p.relative_to(root).parts}
     (root / CHECKSUMS_DIR).mkdir(exist_ok=True)
     (root / CHECKSUMS_DIR / f"rank_{rank}.json").write_text(
         RankChecksums(world_size=world_size, files=files).model_dump_json())
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def inspect_checkpoint(ckpt_dir: str | Path) -> tuple[ModelCard | None, list[str]]:
     """(its model card, or None when it has none that reads; what is wrong with it, [] when
-    nothing) of a checkpoint directory, in the order checked: no model card or one that is not
-    what pairsim writes, no checksum files (alone: :data:`NO_CHECKSUMS`), one that is not what
-    pairsim writes or a rank's missing, a file missing or not matching its checksum, or a ``.pt``
-    file that is not only tensors and DeepSpeed states."""
+    nothing) of a checkpoint directory, in the order checked: a file or folder leading outside
+    it, no model card or one that is not what pairsim writes, no checksum files (alone:
+    :data:`NO_CHECKSUMS`), one that is not what pairsim writes or a rank's missing, a file
+    missing or not matching its checksum, or a ``.pt`` file that is not only tensors and
+    DeepSpeed states. Nothing is read before the first check passes."""
     root = Path(ckpt_dir)
+    if problems := links_outside(root):
+        return None, problems
     if not (root / CARD_FILE).is_file():
         return None, [f"no {CARD_FILE}: not a complete pairsim checkpoint"]
     try:
@@ -128,11 +132,7 @@ def inspect_checkpoint(ckpt_dir: str | Path) -> tuple[ModelCard | None, list[str
     problems = [] if len(ranks) == ranks[0].world_size else [
         f"{len(ranks)} of {ranks[0].world_size} ranks' checksum files"]
     for rank in ranks:
-        for name, expected in rank.files.items():
-            if not (root / name).is_file():
-                problems.append(f"{name}: missing")
-            elif _sha256(root / name) != expected:
-                problems.append(f"{name}: content differs from its checksum (truncated or altered)")
+        problems += saved.checksum_problems(root, rank.files)
     if not problems:
         try:
             verify_checkpoint_files(root)
@@ -146,12 +146,13 @@ def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
     return inspect_checkpoint(ckpt_dir)[1]
 
 
-def verified_card(checkpoint: str | Path) -> ModelCard:
-    """The model card of ``checkpoint`` when it verifies (:func:`inspect_checkpoint`), read before
-    any of its weights is; :class:`~pairsim.models.saved.UnsafeCheckpointError` listing what is
+def verified_card(checkpoint: str | Path, predating_checksums: bool = False) -> ModelCard:
+    """The model card of ``checkpoint`` when it verifies (:func:`inspect_checkpoint`; with
+    ``predating_checksums``, also when its only problem is :data:`NO_CHECKSUMS`), read before any
+    of its weights is; :class:`~pairsim.models.saved.UnsafeCheckpointError` listing what is
     wrong otherwise."""
     card, problems = inspect_checkpoint(checkpoint)
-    if problems:
+    if problems and not (predating_checksums and problems == [NO_CHECKSUMS]):
         raise UnsafeCheckpointError(f"{checkpoint}: the checkpoint does not verify: {'; '.join(problems)}")
     return card
 
@@ -330,28 +331,31 @@ def checkpoint_state_dict(checkpoint: str | Path, zero_stage: int) -> dict[str, 
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
-    """Consolidate ``checkpoint`` and write ``out`` (open_clip weights) with its side files."""
-    card = checkpoint_card(checkpoint)
+    """Consolidate ``checkpoint``, once it verifies (:func:`verified_card`; one saved before
+    pairsim kept checksums too), and write ``out`` (open_clip weights) with its side files."""
+    card = verified_card(checkpoint, predating_checksums=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     return retrieval.write_exported(card, checkpoint_state_dict(checkpoint, card.zero_stage), out)
 
 
 def _export_card(path: Path) -> ModelCard:
-    """The model card beside an export's weights file; ValueError when there is none."""
+    """The card of an export whose files pass :func:`~pairsim.models.retrieval.verified_export_card`;
+    ValueError when there is none beside the weights file."""
     card_file = retrieval.exported_files(path)[2]
     if not card_file.is_file():
         raise ValueError(f"{path}: no model card ({card_file.name}) beside it, so not a pairsim export; a plain "
                          "open_clip weights file goes in model.pretrained")
-    return saved.read_card(card_file)
+    return retrieval.verified_export_card(path)
 
 
 def initial_state(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor]]:
     """(model card, :class:`~pairsim.models.retrieval.RetrievalModel` state dict) of what
     ``model.init_from`` names: a checkpoint directory (verified, then consolidated as
     :func:`checkpoint_state_dict` does) or an export (``model.pt`` with its card and heads file
-    beside it, :func:`~pairsim.models.retrieval.write_exported`). Every file is opened with
-    :func:`load_checkpoint_file`: a pickle that would run code is refused, nothing in it run."""
+    beside it, :func:`~pairsim.models.retrieval.write_exported`, its files checked first). Every
+    file is opened with :func:`load_checkpoint_file`: a pickle that would run code is refused,
+    nothing in it run."""
     path = Path(path)
     if path.is_dir():
         card = verified_card(path)
