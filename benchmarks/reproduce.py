@@ -51,6 +51,7 @@ from pairsim.data import synth
 from pairsim.eval import inference, suite
 from pairsim.eval.suite import MODALITIES, grid_metric_name
 from pairsim.models import retrieval
+from pairsim.models.saved import read_card
 from pairsim.train import checkpoints, driver
 
 PROTOCOL = DEMO_CONFIG.parent / "reproduce"
@@ -156,7 +157,7 @@ def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extr
     key = digest(*(path.read_text() for path in layers), extra, corpus)  # what was asked, not how code reads it
     model = out / f"{stage}-{key}" / "model.pt"
     if retrieval.exported_files(model)[2].is_file():
-        print(f"{stage}: cached at {model} (val RSUM {json.loads(model.with_suffix('.json').read_text())['val']['val/rsum']:.2f})")
+        print(f"{stage}: cached at {model} (val RSUM {read_card(model.with_suffix('.json')).val['val/rsum']:.2f})")
         return model
     if not train:
         raise SystemExit(f"{stage}: not made yet (no {model}); run without --stage report first")
@@ -164,9 +165,9 @@ def cached_stage(out: Path, stage: str, corpus: Corpus, layers: list[Path], extr
     cfg = load_config(layers, [f"data.path={data}", "data.test_split=null", *extra, *common(out, f"{stage}-{key}")])
     result = driver.fit(cfg)
     checkpoints.export_checkpoint(result.best_checkpoint_path, model)
-    card = json.loads(model.with_suffix(".json").read_text())
-    print(f"{stage}: {time.perf_counter() - started:.0f} s, best epoch {card['epoch']}, val RSUM "
-          f"{card['val']['val/rsum']:.2f}; exported to {model} (MLflow run {result.mlflow_run_id})")
+    card = read_card(model.with_suffix(".json"))
+    print(f"{stage}: {time.perf_counter() - started:.0f} s, best epoch {card.epoch}, val RSUM "
+          f"{card.val['val/rsum']:.2f}; exported to {model} (MLflow run {result.mlflow_run_id})")
     return model
 
 

@@ -11,8 +11,15 @@ import torch
 from conftest import on_gloo_ranks
 from pairsim import storage
 from pairsim.cli import main
-from pairsim.config import load_config
+from pairsim.config import ModelConfig, load_config
+from pairsim.models.saved import ModelCard
 from pairsim.train import checkpoints, engine
+
+
+def card_json(epoch: int = 1, rsum: float = 100.0) -> str:
+    """A model card as pairsim writes it, of a ZeRO-0 pairsim-tiny checkpoint at ``epoch``."""
+    return ModelCard(model=ModelConfig(), fused=False, unimodal_heads=False, zero_stage=0, epoch=epoch,
+                     step=10 * epoch, val={"val/rsum": rsum}).model_dump_json()
 
 
 class Exploit:
@@ -30,7 +37,7 @@ def crafted_checkpoint(root: Path, marker: Path) -> Path:
     ds_dir = root / "checkpoint_000000" / checkpoints.CHECKPOINT_TAG
     ds_dir.mkdir(parents=True)
     torch.save({"module": {"model.clip.w": torch.zeros(2)}, "hook": Exploit(marker)}, ds_dir / "mp_rank_00_model_states.pt")
-    (ds_dir.parent / checkpoints.CARD_FILE).write_text(json.dumps({"zero_stage": 0, "model": {}}))
+    (ds_dir.parent / checkpoints.CARD_FILE).write_text(card_json())
     return ds_dir.parent
 
 
@@ -95,8 +102,7 @@ def fake_run(root: Path, epochs: int = 2, world: int = 2) -> Path:
             (part / checkpoints.CHECKPOINT_TAG).mkdir(parents=True)
             torch.save({"w": torch.full((4,), float(epoch))}, part / checkpoints.CHECKPOINT_TAG / f"zero_pp_rank_{rank}.pt")
             if rank == 0:
-                (part / checkpoints.CARD_FILE).write_text(json.dumps({"epoch": epoch, "step": 10 * epoch,
-                                                                        "val": {"val/rsum": 100.0 + epoch}}))
+                (part / checkpoints.CARD_FILE).write_text(card_json(epoch, rsum=100.0 + epoch))
             checkpoints.write_checksums(part, rank, world)
             shutil.copytree(part, ckpt, dirs_exist_ok=True)
     return run
@@ -146,7 +152,7 @@ def test_the_best_checkpoint_is_chosen_from_every_card_and_must_verify(tmp_path)
     run = storage.Location.of(fake_run(tmp_path, epochs=3))  # cards: val/rsum 101, 102, 103
     first, second, third = sorted(Path(c.path) for c in checkpoints.checkpoints_in(run))
     with checkpoints.best_checkpoint(run, "val/rsum", "max") as (best, local):
-        assert best.name == third.name and checkpoints.checkpoint_card(local)["epoch"] == 3
+        assert best.name == third.name and checkpoints.checkpoint_card(local).epoch == 3
     with checkpoints.best_checkpoint(run, "val/rsum", "min") as (best, _):
         assert best.name == first.name
     (third / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")

@@ -159,11 +159,11 @@ def test_selection_metric_that_is_never_reported_is_refused(metric):
 
 def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_dataset, capsys):
     assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 1
-    assert "not a pairsim checkpoint" in capsys.readouterr().err
+    assert "no pairsim_model.json: not a complete pairsim checkpoint" in capsys.readouterr().err
     assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset), "--split", "dev"]) == 2
     assert "--split" in capsys.readouterr().err
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 1
-    assert "not a pairsim checkpoint" in capsys.readouterr().err
+    assert "no pairsim_model.json: not a complete pairsim checkpoint" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------- strict values, params owned by the entry

@@ -1,6 +1,7 @@
 """``model.init_from``: a run starts from a pairsim export or checkpoint; what cannot be one is
 refused on the driver, naming the key, before Ray starts and without running anything in it."""
 
+import hashlib
 import json
 import pickle
 
@@ -19,7 +20,8 @@ def export(path, seed, heads=True, unimodal=False, arch="pairsim-tiny"):
     torch.manual_seed(seed)
     cfg = ModelConfig(arch=arch, crossmodal_heads=heads)
     model = retrieval.create_retrieval_model(cfg, unimodal_heads=unimodal)
-    retrieval.write_exported(retrieval.model_card(cfg, model, epoch=3), model.state_dict(), path)
+    retrieval.write_exported(retrieval.model_card(cfg, model, zero_stage=0, epoch=3, step=30, val={}),
+                             model.state_dict(), path)
     return model
 
 
@@ -99,6 +101,9 @@ def test_a_crafted_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
     export(tmp_path / "model.pt", seed=0)
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     torch.save(state | {"payload": RunsCode()}, tmp_path / "model.pt")
+    card = json.loads((tmp_path / "model.json").read_text())
+    card["sha256"]["weights"] = hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()  # and its checksum
+    (tmp_path / "model.json").write_text(json.dumps(card))
     with pytest.raises(ConfigError, match="model.init_from: .*model.pt: refused to load.*nothing in it was run"):
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "model.pt"))
     assert not os.path.exists(MARKER)

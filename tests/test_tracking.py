@@ -309,7 +309,8 @@ def test_registering_an_export_without_a_run_writes_beside_the_store_not_into_th
 
     weights = tmp_path / "export" / "model.pt"
     model = retrieval.create_retrieval_model(ModelConfig())
-    retrieval.write_exported(retrieval.model_card(ModelConfig(), model, epoch=1), model.state_dict(), weights)
+    retrieval.write_exported(retrieval.model_card(ModelConfig(), model, zero_stage=0, epoch=1, step=10, val={}),
+                             model.state_dict(), weights)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)

@@ -204,7 +204,7 @@ def engine_embeddings(config):
     cfg = RunConfig.model_validate(config["cfg"])
     ctx = ray.train.get_context()
     card = checkpoints.checkpoint_card(config["checkpoint"])
-    model = retrieval.create_retrieval_model(cfg.model, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    model = retrieval.create_retrieval_model(cfg.model, fused=card.fused, unimodal_heads=card.unimodal_heads)
     module = engine.TrainingModule(model, build_objective(cfg.loss, ctx.get_world_rank(), ctx.get_world_size()))
     ds_engine, *_ = deepspeed.initialize(model=module, model_parameters=engine.parameter_groups(module, 0.1),
                                          config=engine.deepspeed_config(cfg.train, cfg.optim, 10))
@@ -258,7 +258,7 @@ def test_export_of_a_zero2_checkpoint_gives_the_engines_embeddings(zero2_runs, t
     written, card = assert_export_gives_the_checkpoints_embeddings(cfg, resumed.best_checkpoint_path, tmp_path,
                                                                    atol=1e-5)
     assert [p.name for p in written] == ["model.pt", "model.json"]  # the demo model has no extra heads
-    assert card["zero_stage"] == 2 and not card["fused"]
+    assert card.zero_stage == 2 and not card.fused
 
 
 def test_export_of_a_zero3_bf16_checkpoint_gives_the_engines_embeddings(zero3_run, tmp_path):
@@ -267,7 +267,7 @@ def test_export_of_a_zero3_bf16_checkpoint_gives_the_engines_embeddings(zero3_ru
     written, card = assert_export_gives_the_checkpoints_embeddings(cfg, result.best_checkpoint_path, tmp_path,
                                                                    atol=0.03, dtype=torch.bfloat16)
     assert [p.name for p in written] == ["model.pt", "model.heads.pt", "model.json"]
-    assert card["zero_stage"] == 3 and card["unimodal_heads"] and not card["fused"]  # CUSA, not GCL
+    assert card.zero_stage == 3 and card.unimodal_heads and not card.fused  # CUSA, not GCL
 
 
 def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_dataset, capsys):
@@ -282,11 +282,11 @@ def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_datas
     out, err = capsys.readouterr()
     assert "image→image" in out and "modality grid" in out
     assert "embedding val: 100%" in err and "288/288" in err  # the progress bar: 48 images + 240 captions
-    for key, value in card["val"].items():
+    for key, value in card.val.items():
         if key.startswith("val/") and not key.endswith("median_rank"):
             # the engine's value in training and the standalone one, logged at the same step
             in_training, standalone = [v for step, v in history(client, resumed.mlflow_run_id, metric_key(key))
-                                  if step == card["step"]]
+                                  if step == card.step]
             # another summation order may flip a near-tie: at most one of the 48 images' ranks
             assert in_training == value and standalone == pytest.approx(value, abs=100 / 48 + 1e-9), key
     assert main(args + ["--split", "test"]) == 0
@@ -369,8 +369,8 @@ def test_a_run_from_init_from_starts_where_its_source_ended(zero2_runs, tiny_dat
         tiny_dataset, tmp_path, f"model.init_from={weights}", "train.epochs=1", "optim.lr=1e-12",
         "optim.weight_decay=0.0", "data.test_split=null")))
     for key in ("val/rsum", "val/i2t_R@1", "val/t2i_R@1", "val/i2i_mAP@R"):
-        assert result.metrics[key] == pytest.approx(card["val"][key], abs=1e-6), key
-    assert card["val"]["val/rsum"] > 150  # chance is ~40 on this val split: the source did learn
+        assert result.metrics[key] == pytest.approx(card.val[key], abs=1e-6), key
+    assert card.val["val/rsum"] > 150  # chance is ~40 on this val split: the source did learn
 
     _, from_checkpoint = checkpoints.initial_state(resumed.best_checkpoint_path)
     _, from_export = checkpoints.initial_state(weights)

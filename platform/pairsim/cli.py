@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pairsim import log, storage
-from pairsim.config import ConfigError, ModelConfig, RunConfig, check_tracking_uri, load_config
+from pairsim.config import ConfigError, RunConfig, check_tracking_uri, load_config
 from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
 from pairsim.jobs import JobStopped
@@ -143,7 +143,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         model, card = retrieval.load_exported(_model_source(args, tracking_uri, Path(tmp) / "model.pt")[0])
     overrides = [f"data.path={args.data}", f"eval.batch_size={args.batch_size}",
                  f"eval.concurrency={args.concurrency}"] + args.overrides
-    cfg = load_config(overrides=overrides).model_copy(update={"model": ModelConfig.model_validate(card["model"])})
+    cfg = load_config(overrides=overrides).model_copy(update={"model": card.model})
     init_ray(cfg)
     embeddings = inference.embed_with_ray_data(model, cfg, args.split)
     result = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
@@ -156,7 +156,7 @@ def _evaluate(args: argparse.Namespace) -> None:
                                      {"pairsim.checkpoint": str(checkpoint)})
     with tracking.RunLogger(tracking_uri, run_id) as run:
         report.log_report(run, result, embeddings, functools.partial(shards.read_rows, args.data, args.split),
-                          args.split, card.get("step", 0), title=f"{args.split}, epoch {card.get('epoch', '?')}")
+                          args.split, card.step, title=f"{args.split}, epoch {card.epoch}")
     _print_run(run_id, tracking_uri)
 
 
@@ -176,12 +176,12 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     failed = 0
     for checkpoint, card, problems in checkpoints.inventory(args.path):
-        val = card.get("val", {})
-        metric = f"rsum {val['val/rsum']:.2f}" if "val/rsum" in val else ""
+        metric = f"rsum {card.val['val/rsum']:.2f}" if card and "val/rsum" in card.val else ""
         state = "ok" if not problems else "NOT VERIFIED: " + "; ".join(problems)
         failed += bool(problems)
         if args.checkpoints_command == "list" or problems:
-            print(f"{checkpoint.name}  epoch {card.get('epoch', '?')}  step {card.get('step', '?')}  {metric}  {state}")
+            epoch, step = (card.epoch, card.step) if card else ("?", "?")
+            print(f"{checkpoint.name}  epoch {epoch}  step {step}  {metric}  {state}")
     if args.checkpoints_command == "verify":
         print(f"{failed} of the checkpoints failed verification" if failed else "every checkpoint verified")
     return 1 if failed and args.checkpoints_command == "verify" else 0
@@ -448,7 +448,7 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
     as the engine's pulls in torch."""
     from pairsim.data.shards import ShardError
-    from pairsim.train.checkpoints import UnsafeCheckpointError
+    from pairsim.models.saved import UnsafeCheckpointError
 
     return BuildError, FileNotFoundError, ShardError, SweepFailed, UnsafeCheckpointError
 

@@ -124,8 +124,8 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
         [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH]
     assert main(["checkpoints", "verify", str(run_dir)]) == 0 and epoch1.is_dir()
     cards = [checkpoints.checkpoint_card(p) for p in complete_checkpoints(run_dir)]  # oldest first
-    best = max(reversed(cards), key=lambda card: card["val"]["val/rsum"])  # ties: the newest
-    assert run.data.tags["pairsim.best_epoch"] == str(best["epoch"])  # epoch 1 competes, unranked by Ray's new record
+    best = max(reversed(cards), key=lambda card: card.val["val/rsum"])  # ties: the newest
+    assert run.data.tags["pairsim.best_epoch"] == str(best.epoch)  # epoch 1 competes, unranked by Ray's new record
 
     newest = complete_checkpoints(run_dir)[-1]  # epoch 3's: its model states altered on disk
     states = newest / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
@@ -172,7 +172,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_the_run_resumes(
     assert run.info.status == "FAILED"
     run_dir = small_disk / "full"
     kept = [p for p in run_dir.glob("checkpoint_*") if p.is_dir() and not checkpoints.verify_checkpoint(p)]
-    assert len(kept) == 1 and checkpoints.checkpoint_card(kept[0])["epoch"] == 1
+    assert len(kept) == 1 and checkpoints.checkpoint_card(kept[0]).epoch == 1
 
     subprocess.run(["mount", "-o", "remount,size=600m", str(small_disk)], check=True)
     capfd.readouterr()
@@ -205,7 +205,7 @@ def test_a_nan_loss_stops_the_run_naming_its_step_and_keeps_the_last_checkpoint(
     logged = sorted(m.step for m in MlflowClient(uri).get_metric_history(run.info.run_id, "train/loss"))
     assert logged == list(range(2, bad_step, 2))  # the buffered curve reached MLflow before the worker died
     [kept] = complete_checkpoints(tmp_path / "ray" / "nan")
-    assert not checkpoints.verify_checkpoint(kept) and checkpoints.checkpoint_card(kept)["epoch"] == 1
+    assert not checkpoints.verify_checkpoint(kept) and checkpoints.checkpoint_card(kept).epoch == 1
 
 
 def test_an_mlflow_server_gone_mid_run_loses_no_metric(ray_instance, tiny_dataset, tmp_path, capfd):

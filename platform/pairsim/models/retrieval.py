@@ -1,19 +1,18 @@
 """The retrieval model pairsim trains: an open_clip model with its fusion module and optional
 heads (:class:`RetrievalModel`), and its export format — open_clip weights, a heads side file
-and a model card.
+and a model card holding their checksums.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pairsim.config import ModelConfig
-from pairsim.models import clip
+from pairsim.models import clip, saved
+from pairsim.models.saved import ExportChecksums, ModelCard, UnsafeCheckpointError
 from pairsim.registry import FUSIONS
 
 
@@ -85,10 +84,11 @@ def open_clip_state(state_dict: dict[str, torch.Tensor], prefix: str = "clip.") 
     return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
 
 
-def model_card(cfg: ModelConfig, model: RetrievalModel, **extra: Any) -> dict[str, Any]:
-    """What rebuilds ``model`` around exported weights (JSON-ready), plus ``extra`` facts."""
-    return {"model": cfg.model_dump(mode="json"), "fused": model.fusion is not None,
-            "unimodal_heads": model.unimodal_heads is not None, **extra}
+def model_card(cfg: ModelConfig, model: RetrievalModel, zero_stage: int, epoch: int, step: int,
+               val: dict[str, float]) -> ModelCard:
+    """What rebuilds ``model`` around its saved weights, with when it was saved and its val metrics."""
+    return ModelCard(model=cfg, fused=model.fusion is not None, unimodal_heads=model.unimodal_heads is not None,
+                     zero_stage=zero_stage, epoch=epoch, step=step, val=val)
 
 
 def exported_files(weights: str | Path) -> tuple[Path, Path, Path]:
@@ -98,29 +98,50 @@ def exported_files(weights: str | Path) -> tuple[Path, Path, Path]:
     return weights, weights.with_suffix(".heads.pt"), weights.with_suffix(".json")
 
 
-def write_exported(card: dict[str, Any], state_dict: dict[str, torch.Tensor], weights: str | Path) -> list[Path]:
+def write_exported(card: ModelCard, state_dict: dict[str, torch.Tensor], weights: str | Path) -> list[Path]:
     """Write a :class:`RetrievalModel` state dict as open_clip weights (loadable by
     ``open_clip.create_model_and_transforms(arch, pretrained=weights)``), its heads in a side
-    file (when it has any) and its card; returns the files written."""
+    file (when it has any) and its card with both files' SHA-256; returns the files written."""
     weights, heads_file, card_file = exported_files(weights)
     written = [clip.save_open_clip_weights(open_clip_state(state_dict), weights)]
     heads = {k: v.detach().float().cpu() for k, v in state_dict.items() if not k.startswith("clip.")}
     if heads:
         torch.save(heads, heads_file)
         written.append(heads_file)
-    card_file.write_text(json.dumps(card, indent=2))
+    sums = ExportChecksums(weights=saved.sha256(weights), heads=saved.sha256(heads_file) if heads else None)
+    card_file.write_text(card.model_copy(update={"sha256": sums}).model_dump_json(indent=2))
     return written + [card_file]
 
 
-def load_exported(weights: str | Path) -> tuple[RetrievalModel, dict[str, Any]]:
-    """The :class:`RetrievalModel` (eval mode, fp32) and card of an export written by
-    :func:`write_exported`; the open_clip weights go through open_clip's own loader."""
+def verified_export_card(weights: str | Path) -> ModelCard:
+    """The card of the export ``weights`` once its files pass the checks made before any is
+    loaded: none leads outside the weights' folder, and the weights and heads match the SHA-256
+    the card holds (an export written before cards held them is checked for links only).
+    :class:`~pairsim.models.saved.UnsafeCheckpointError` naming the file otherwise."""
     weights, heads_file, card_file = exported_files(weights)
+    if problems := saved.outside(weights.parent, [weights, heads_file, card_file]):
+        raise UnsafeCheckpointError(f"{weights}: the export is refused: {'; '.join(problems)}")
     if not card_file.is_file():
         raise FileNotFoundError(f"{card_file}: no model card beside {weights} (not a pairsim export?)")
-    card = json.loads(card_file.read_text())
-    cfg = ModelConfig.model_validate(card["model"] | {"pretrained": str(weights), "init_from": None})
-    model = create_retrieval_model(cfg, fused=card["fused"], unimodal_heads=card["unimodal_heads"])
+    card = saved.read_card(card_file)
+    if card.sha256 is not None:
+        sums = {weights.name: card.sha256.weights} | ({heads_file.name: card.sha256.heads} if card.sha256.heads else {})
+        problems = saved.checksum_problems(weights.parent, sums)
+        if card.sha256.heads is None and heads_file.exists():
+            problems.append(f"{heads_file.name}: a heads file the card has no checksum for")
+        if problems:
+            raise UnsafeCheckpointError(f"{weights}: the export is refused: {'; '.join(problems)}")
+    return card
+
+
+def load_exported(weights: str | Path) -> tuple[RetrievalModel, ModelCard]:
+    """The :class:`RetrievalModel` (eval mode, fp32) and card of an export written by
+    :func:`write_exported`, its files checked first (:func:`verified_export_card`); the
+    open_clip weights go through open_clip's own loader."""
+    weights, heads_file, _ = exported_files(weights)
+    card = verified_export_card(weights)
+    cfg = card.model.model_copy(update={"pretrained": str(weights), "init_from": None})
+    model = create_retrieval_model(cfg, fused=card.fused, unimodal_heads=card.unimodal_heads)
     if heads_file.is_file():
         missing, unexpected = model.load_state_dict(torch.load(heads_file, map_location="cpu", weights_only=True), strict=False)
         missing = [k for k in missing if not k.startswith("clip.")]

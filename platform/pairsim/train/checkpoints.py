@@ -5,11 +5,14 @@ A checkpoint is a Ray Train checkpoint directory holding a DeepSpeed checkpoint 
 (``pairsim_model.json``, written by rank 0) that rebuilds the model, and one checksum file per
 rank (``pairsim_checksums/rank_N.json``: SHA-256 of every file that rank wrote).
 
-Loading never runs code from a checkpoint: every ``.pt`` file is opened with
-``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own loader, which
-unpickles freely. :func:`verify_checkpoint` checks files, checksums and that every rank's part
-is there; on resume the newest checkpoint that passes is used and newer ones that fail are
-reported and skipped (:func:`resume_point`); ``pairsim checkpoints list|verify`` shows the same.
+Loading never runs code from a checkpoint nor reads a file outside it: every file must stay
+inside the checkpoint directory (a link leading elsewhere is refused), and every ``.pt`` file is
+opened with ``weights_only=True`` (:func:`verify_checkpoint_files`) before DeepSpeed's own
+loader, which unpickles freely. :func:`verify_checkpoint` checks those, the model card
+(:class:`~pairsim.models.saved.ModelCard`), checksums and that every rank's part is there; on
+resume the newest checkpoint that passes is used and newer ones that fail are reported and
+skipped (:func:`resume_point`); export and ``model.init_from`` take only one that passes
+(:func:`verified_card`); ``pairsim checkpoints list|verify`` shows the same.
 :func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
 weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
 ``model.heads.pt`` and ``model.json``. A run starts from either form with ``model.init_from``
@@ -19,9 +22,9 @@ weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weigh
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
+import os
 import pickle
 import tempfile
 import time
@@ -32,20 +35,26 @@ from typing import Any
 import pyarrow.fs
 import ray.train
 import torch
+from pydantic import Field
 
 from pairsim import dist, log, storage
-from pairsim.config import ConfigError, ModelConfig
-from pairsim.models import clip, retrieval
+from pairsim.config import ConfigError, Int, ModelConfig, Section
+from pairsim.models import clip, retrieval, saved
+from pairsim.models.saved import MetadataError, ModelCard, Sha256, UnsafeCheckpointError
 
 logger = log.get_logger("train")
 CHECKPOINT_TAG = "deepspeed"
 CARD_FILE = "pairsim_model.json"
 CHECKSUMS_DIR = "pairsim_checksums"
 MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
+NO_CHECKSUMS = f"no {CHECKSUMS_DIR}/: written before pairsim kept checksums, cannot be verified"
 
 
-class UnsafeCheckpointError(ValueError):
-    """A checkpoint file holds more than tensors and DeepSpeed's states: loading it could run code."""
+class RankChecksums(Section):
+    """``pairsim_checksums/rank_N.json``: what one rank wrote into a checkpoint."""
+
+    world_size: Int = Field(ge=1, description="the ranks that wrote the checkpoint")
+    files: dict[str, Sha256] = Field(description="the SHA-256 of each file the rank wrote, by its path in it")
 
 
 def _deepspeed_globals() -> list[type]:
@@ -70,10 +79,18 @@ def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
                                     f"({reason}); nothing in it was run") from None
 
 
+def links_outside(ckpt_dir: Path) -> list[str]:
+    """A problem for each file or folder in a checkpoint that leads outside it (:func:`saved.outside`)."""
+    return saved.outside(ckpt_dir, [Path(folder, name) for folder, folders, files in os.walk(ckpt_dir)
+                                    for name in folders + files])  # os.walk does not follow links
+
+
 def verify_checkpoint_files(ckpt_dir: str | Path) -> None:
-    """Open every ``.pt`` file of a checkpoint with :func:`load_checkpoint_file` (memory-mapped,
-    so tensors are not read) before DeepSpeed's loader, which unpickles with
-    ``weights_only=False``, touches any."""
+    """Refuse a checkpoint with a file that leads outside it (:func:`links_outside`), then open
+    every ``.pt`` file with :func:`load_checkpoint_file` (memory-mapped, so tensors are not read)
+    before DeepSpeed's loader, which unpickles with ``weights_only=False``, touches any."""
+    if problems := links_outside(Path(ckpt_dir)):
+        raise UnsafeCheckpointError(f"{ckpt_dir}: refused: {'; '.join(problems)}")
     for path in sorted(Path(ckpt_dir).rglob("*.pt")):
         load_checkpoint_file(path, mmap=True)
 
@@ -82,47 +99,62 @@ def write_checksums(ckpt_dir: str | Path, rank: int, world_size: int) -> None:
     """``pairsim_checksums/rank_<rank>.json``: the SHA-256 of every file this rank wrote into
     ``ckpt_dir`` (Ray Train merges the ranks' directories into one checkpoint)."""
     root = Path(ckpt_dir)
-    files = {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(root.rglob("*"))
+    files = {p.relative_to(root).as_posix(): saved.sha256(p) for p in sorted(root.rglob("*"))
              if p.is_file() and CHECKSUMS_DIR not in p.relative_to(root).parts}
     (root / CHECKSUMS_DIR).mkdir(exist_ok=True)
-    (root / CHECKSUMS_DIR / f"rank_{rank}.json").write_text(json.dumps({"world_size": world_size, "files": files}))
+    (root / CHECKSUMS_DIR / f"rank_{rank}.json").write_text(
+        RankChecksums(world_size=world_size, files=files).model_dump_json())
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
-    """What is wrong with a checkpoint directory ([] when nothing): no model card, a rank's
-    checksum file missing, a file missing or not matching its checksum, or a ``.pt`` file that
-    is not only tensors and DeepSpeed states."""
+def inspect_checkpoint(ckpt_dir: str | Path) -> tuple[ModelCard | None, list[str]]:
+    """(its model card, or None when it has none that reads; what is wrong with it, [] when
+    nothing) of a checkpoint directory, in the order checked: a file or folder leading outside
+    it, no model card or one that is not what pairsim writes, no checksum files (alone:
+    :data:`NO_CHECKSUMS`), one that is not what pairsim writes or a rank's missing, a file
+    missing or not matching its checksum, or a ``.pt`` file that is not only tensors and
+    DeepSpeed states. Nothing is read before the first check passes."""
     root = Path(ckpt_dir)
+    if problems := links_outside(root):
+        return None, problems
     if not (root / CARD_FILE).is_file():
-        return [f"no {CARD_FILE}: not a complete pairsim checkpoint"]
-    sums = sorted((root / CHECKSUMS_DIR).glob("rank_*.json"))
-    if not sums:
-        return [f"no {CHECKSUMS_DIR}/: written before pairsim kept checksums, cannot be verified"]
-    problems = []
-    world = json.loads(sums[0].read_text())["world_size"]
-    if len(sums) != world:
-        problems.append(f"{len(sums)} of {world} ranks' checksum files")
-    for sum_file in sums:
-        for name, expected in json.loads(sum_file.read_text())["files"].items():
-            path = root / name
-            if not path.is_file():
-                problems.append(f"{name}: missing")
-            elif _sha256(path) != expected:
-                problems.append(f"{name}: content differs from its checksum (truncated or altered)")
+        return None, [f"no {CARD_FILE}: not a complete pairsim checkpoint"]
+    try:
+        card = saved.read_card(root / CARD_FILE)
+    except MetadataError as exc:
+        return None, [str(exc)]
+    sum_files = sorted((root / CHECKSUMS_DIR).glob("rank_*.json"))
+    if not sum_files:
+        return card, [NO_CHECKSUMS]
+    try:
+        ranks = [saved.read_metadata(path, RankChecksums) for path in sum_files]
+    except MetadataError as exc:
+        return card, [str(exc)]
+    problems = [] if len(ranks) == ranks[0].world_size else [
+        f"{len(ranks)} of {ranks[0].world_size} ranks' checksum files"]
+    for rank in ranks:
+        problems += saved.checksum_problems(root, rank.files)
     if not problems:
         try:
             verify_checkpoint_files(root)
         except UnsafeCheckpointError as exc:
             problems.append(str(exc))
-    return problems
+    return card, problems
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
+    """What is wrong with a checkpoint directory, [] when nothing (:func:`inspect_checkpoint`)."""
+    return inspect_checkpoint(ckpt_dir)[1]
+
+
+def verified_card(checkpoint: str | Path, predating_checksums: bool = False) -> ModelCard:
+    """The model card of ``checkpoint`` when it verifies (:func:`inspect_checkpoint`; with
+    ``predating_checksums``, also when its only problem is :data:`NO_CHECKSUMS`), read before any
+    of its weights is; :class:`~pairsim.models.saved.UnsafeCheckpointError` listing what is
+    wrong otherwise."""
+    card, problems = inspect_checkpoint(checkpoint)
+    if problems and not (predating_checksums and problems == [NO_CHECKSUMS]):
+        raise UnsafeCheckpointError(f"{checkpoint}: the checkpoint does not verify: {'; '.join(problems)}")
+    return card
 
 
 def checkpoints_in(run: storage.Location) -> list[storage.Location]:
@@ -132,9 +164,9 @@ def checkpoints_in(run: storage.Location) -> list[storage.Location]:
                                            and i.base_name.startswith("checkpoint_")), reverse=True)]
 
 
-def inventory(path: str | Path) -> list[tuple[storage.Location, dict[str, Any], list[str]]]:
-    """(checkpoint, its card or {}, :func:`verify_checkpoint`'s problems) for ``path`` — a
-    checkpoint, or a run directory's every checkpoint, newest first (``pairsim checkpoints``)."""
+def inventory(path: str | Path) -> list[tuple[storage.Location, ModelCard | None, list[str]]]:
+    """(checkpoint, :func:`inspect_checkpoint`'s card and problems) for ``path`` — a checkpoint,
+    or a run directory's every checkpoint, newest first (``pairsim checkpoints``)."""
     location = storage.Location.of(path)
     found = [location] if (location / CARD_FILE).is_file() or (location / CHECKPOINT_TAG).info().type == \
         pyarrow.fs.FileType.Directory else checkpoints_in(location)
@@ -143,8 +175,7 @@ def inventory(path: str | Path) -> list[tuple[storage.Location, dict[str, Any], 
     out = []
     for checkpoint in found:
         with checkpoint.local_copy() as local:
-            card = json.loads((local / CARD_FILE).read_text()) if (local / CARD_FILE).is_file() else {}
-            out.append((checkpoint, card, verify_checkpoint(local)))
+            out.append((checkpoint, *inspect_checkpoint(local)))
     return out
 
 
@@ -173,7 +204,7 @@ def trusted(checkpoint: storage.Location, problems: list[str], registered_throug
     """Whether a checkpoint with :func:`verify_checkpoint`'s ``problems`` may be loaded: none, or
     only that it predates checksums and Ray Train registered it (``registered_through`` is the
     newest checkpoint it registered; names sort by time) — a newer one is a save that failed."""
-    return not problems or (checkpoint.name <= registered_through and problems[0].startswith(f"no {CHECKSUMS_DIR}/"))
+    return not problems or (checkpoint.name <= registered_through and problems == [NO_CHECKSUMS])
 
 
 def resume_point(run: storage.Location, registered_through: str = "") -> storage.Location | None:
@@ -213,9 +244,9 @@ def best_checkpoint(run: storage.Location, metric: str, mode: str,
     for candidate in checkpoints_in(run):  # newest first, and sorted() keeps that order among ties
         card = candidate / CARD_FILE
         try:
-            value = json.loads(card.read_text()).get("val", {}).get(metric) if card.is_file() else None
-        except ValueError:  # cut short: a save that failed part way
-            logger.warning("checkpoint %s is skipped: its %s is not readable JSON", candidate, CARD_FILE)
+            value = saved.read_card(card).val.get(metric) if card.is_file() else None
+        except MetadataError as exc:  # cut short (a save that failed part way), or not pairsim's
+            logger.warning("checkpoint %s is skipped: %s", candidate, exc)
             continue
         if isinstance(value, (int, float)) and math.isfinite(value):
             scored.append((value, candidate))
@@ -257,39 +288,40 @@ def restore(engine, run_dir: str) -> tuple[int, int]:
     return client_state["epoch"] + 1, client_state["global_step"]
 
 
-def save_checkpoint(engine, epoch: int, step: int, card: dict[str, Any] | None, metrics: dict[str, Any]) -> None:
+def save_checkpoint(engine, epoch: int, step: int, card: ModelCard | None, metrics: dict[str, Any]) -> None:
     """Save the engine on every rank (rank 0 adds the model ``card``), each rank's checksums
     beside its files, and report the merged checkpoint with ``metrics`` to Ray Train, which
     keeps it."""
     with tempfile.TemporaryDirectory() as ckpt_dir:
         engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
         if card is not None:
-            (Path(ckpt_dir) / CARD_FILE).write_text(json.dumps(card, indent=2))
+            (Path(ckpt_dir) / CARD_FILE).write_text(card.model_dump_json(indent=2))
         write_checksums(ckpt_dir, dist.rank(), dist.world_size())
         dist.barrier()
         ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
                          checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
 
 
-def checkpoint_card(checkpoint: str | Path) -> dict:
+def checkpoint_card(checkpoint: str | Path) -> ModelCard:
+    """The model card of a checkpoint (:func:`~pairsim.models.saved.read_card`), unverified."""
     card_file = Path(checkpoint) / CARD_FILE
     if not card_file.is_file():
         raise FileNotFoundError(f"{checkpoint}: not a pairsim checkpoint (no {CARD_FILE})")
-    return json.loads(card_file.read_text())
+    return saved.read_card(card_file)
 
 
-def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def checkpoint_state_dict(checkpoint: str | Path, zero_stage: int) -> dict[str, torch.Tensor]:
     """The fp32 weights of a checkpoint's RetrievalModel (the objective's temperatures left out).
 
-    With ZeRO (stage ≥ 1) they come from the optimizer's fp32 partitions of every rank, merged
-    by DeepSpeed's ``zero_to_fp32`` (the only complete copy under ZeRO-3, and the unrounded
-    one under bf16); without, from the engine's module states.
+    With ZeRO (``zero_stage`` ≥ 1, from its card) they come from the optimizer's fp32 partitions
+    of every rank, merged by DeepSpeed's ``zero_to_fp32`` (the only complete copy under ZeRO-3,
+    and the unrounded one under bf16); without, from the engine's module states.
     """
     ds_dir = Path(checkpoint) / CHECKPOINT_TAG
     if not ds_dir.is_dir():
         raise FileNotFoundError(f"{checkpoint}: no DeepSpeed checkpoint ({CHECKPOINT_TAG}/)")
     verify_checkpoint_files(ds_dir)
-    if checkpoint_card(checkpoint)["zero_stage"] >= 1:
+    if zero_stage >= 1:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
@@ -299,33 +331,35 @@ def checkpoint_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
-    """Consolidate ``checkpoint`` and write ``out`` (open_clip weights) with its side files."""
-    card = checkpoint_card(checkpoint)
+    """Consolidate ``checkpoint``, once it verifies (:func:`verified_card`; one saved before
+    pairsim kept checksums too), and write ``out`` (open_clip weights) with its side files."""
+    card = verified_card(checkpoint, predating_checksums=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    return retrieval.write_exported(card, checkpoint_state_dict(checkpoint), out)
+    return retrieval.write_exported(card, checkpoint_state_dict(checkpoint, card.zero_stage), out)
 
 
-def _export_card(path: Path) -> dict[str, Any]:
-    """The model card beside an export's weights file; ValueError when there is none."""
+def _export_card(path: Path) -> ModelCard:
+    """The card of an export whose files pass :func:`~pairsim.models.retrieval.verified_export_card`;
+    ValueError when there is none beside the weights file."""
     card_file = retrieval.exported_files(path)[2]
     if not card_file.is_file():
         raise ValueError(f"{path}: no model card ({card_file.name}) beside it, so not a pairsim export; a plain "
                          "open_clip weights file goes in model.pretrained")
-    return json.loads(card_file.read_text())
+    return retrieval.verified_export_card(path)
 
 
-def initial_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def initial_state(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor]]:
     """(model card, :class:`~pairsim.models.retrieval.RetrievalModel` state dict) of what
     ``model.init_from`` names: a checkpoint directory (verified, then consolidated as
     :func:`checkpoint_state_dict` does) or an export (``model.pt`` with its card and heads file
-    beside it, :func:`~pairsim.models.retrieval.write_exported`). Every file is opened with
-    :func:`load_checkpoint_file`: a pickle that would run code is refused, nothing in it run."""
+    beside it, :func:`~pairsim.models.retrieval.write_exported`, its files checked first). Every
+    file is opened with :func:`load_checkpoint_file`: a pickle that would run code is refused,
+    nothing in it run."""
     path = Path(path)
     if path.is_dir():
-        if problems := verify_checkpoint(path):
-            raise ValueError(f"{path}: the checkpoint does not verify: {'; '.join(problems)}")
-        return checkpoint_card(path), checkpoint_state_dict(path)
+        card = verified_card(path)
+        return card, checkpoint_state_dict(path, card.zero_stage)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file or directory")
     card = _export_card(path)
@@ -346,9 +380,7 @@ def check_init_from(cfg: ModelConfig) -> None:
     path = Path(cfg.init_from)
     try:
         if path.is_dir():
-            if problems := verify_checkpoint(path):
-                raise ValueError(f"{path}: the checkpoint does not verify: {'; '.join(problems)}")
-            card = checkpoint_card(path)
+            card = verified_card(path)
         elif not path.is_file():
             raise FileNotFoundError(f"{path}: no such file or directory")
         else:
@@ -356,7 +388,7 @@ def check_init_from(cfg: ModelConfig) -> None:
             weights = load_checkpoint_file(path, mmap=True)
             if (heads_file := retrieval.exported_files(path)[1]).is_file():
                 load_checkpoint_file(heads_file, mmap=True)
-        trained_as = card.get("model", {}).get("arch")
+        trained_as = card.model.arch
         if trained_as != cfg.arch:
             raise ValueError(f"{path} holds a {trained_as} model, not the configured model.arch {cfg.arch!r}")
         if not path.is_dir():
@@ -368,7 +400,7 @@ def check_init_from(cfg: ModelConfig) -> None:
             if wrong:
                 raise ValueError(f"{path}: its open_clip weights do not fit {cfg.arch} ({len(wrong)} tensors missing, "
                                  f"unexpected or of another shape, e.g. {', '.join(wrong[:3])})")
-    except (OSError, ValueError) as exc:  # UnsafeCheckpointError is a ValueError
+    except (OSError, ValueError) as exc:  # UnsafeCheckpointError and MetadataError are ValueErrors
         raise ConfigError(f"model.init_from: {exc}") from None
 
 
@@ -382,6 +414,6 @@ def load_initial_weights(model: retrieval.RetrievalModel, path: str | Path) -> N
         raise ValueError(f"model.init_from: {path} lacks open_clip weights of the model: {', '.join(clip_missing[:5])}")
     if dist.rank() == 0:
         fresh, unused = (sorted({key.split(".")[0] for key in keys}) for keys in (missing, unexpected))
-        logger.info("model.init_from: the weights of %s (%s, epoch %s)%s%s", path, card.get("model", {}).get("arch"),
-                    card.get("epoch", "?"), f"; initialised fresh: {', '.join(fresh)}" if fresh else "",
+        logger.info("model.init_from: the weights of %s (%s, epoch %s)%s%s", path, card.model.arch,
+                    card.epoch, f"; initialised fresh: {', '.join(fresh)}" if fresh else "",
                     f"; in the source, not in this model: {', '.join(unused)}" if unused else "")

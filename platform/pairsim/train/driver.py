@@ -85,10 +85,10 @@ def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_d
             written = checkpoints.export_checkpoint(checkpoint, Path(tmp) / "model.pt")
             for path in written:
                 run.log_artifact(path, tracking.MODEL_ARTIFACTS)
-            run.set_tags({"pairsim.best_epoch": str(card["epoch"]), "pairsim.best_checkpoint": best_uri,
+            run.set_tags({"pairsim.best_epoch": str(card.epoch), "pairsim.best_checkpoint": best_uri,
                           "pairsim.select_metric": cfg.eval.select_metric})
-            logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card["epoch"],
-                        selection_metric(cfg), card["val"][selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
+            logger.info("best checkpoint: epoch %s, %s = %.2f (%s); exported to the run's %s/", card.epoch,
+                        selection_metric(cfg), card.val[selection_metric(cfg)], best_uri, tracking.MODEL_ARTIFACTS)
             split = cfg.data.test_split
             if not data.has(split):
                 logger.info("no test split %r in %s: test evaluation skipped", split, cfg.data.split_path(split))
@@ -98,7 +98,7 @@ def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_d
         result_report = suite.evaluate_split(embeddings, retrieval.fusion_module(model, cfg.model), cfg.eval.ks)
         report.log_report(run, result_report, embeddings,
                           functools.partial(shards.read_rows, cfg.data.split_path(split), split),
-                          split, int(result.metrics["step"]), title=f"{split}, best epoch {card['epoch']}")
+                          split, int(result.metrics["step"]), title=f"{split}, best epoch {card.epoch}")
     return best_uri, result_report.metrics
 
 
