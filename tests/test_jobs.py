@@ -12,26 +12,36 @@ from mlflow.tracking import MlflowClient
 from conftest import new_experiment
 from pairsim import cli, tracking
 from pairsim.config import ConfigError, load_config
-from pairsim.jobs import JobStopped, stop_on_sigterm
+from pairsim.jobs import JobStopped, stop_on_signals
 from pairsim.train import driver
 
 
 def test_sigterm_raises_job_stopped_inside_the_block_only():
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(JobStopped, match="stopped by SIGTERM"), stop_on_sigterm():
+    with pytest.raises(JobStopped, match="stopped by SIGTERM"), stop_on_signals():
         os.kill(os.getpid(), signal.SIGTERM)
         signal.pause()  # the handler runs before this returns
     assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_keyboard_interrupt_ray_raises_for_a_sigterm_leaves_as_job_stopped():
-    with pytest.raises(JobStopped, match="stopped by SIGTERM") as stopped, stop_on_sigterm():
+    with pytest.raises(JobStopped, match="stopped by SIGTERM") as stopped, stop_on_signals():
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             signal.pause()
         except JobStopped:
             raise KeyboardInterrupt from None  # what ray.get raises when the handler raised in its signal check
     assert type(stopped.value.__cause__) is KeyboardInterrupt
+
+
+def test_sigint_raises_job_stopped_when_asked_and_a_plain_keyboard_interrupt_leaves_as_one():
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(JobStopped, match="stopped by SIGINT") as stopped, stop_on_signals(sigint=True):
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pause()
+    assert stopped.value.signum == signal.SIGINT and signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(JobStopped, match="stopped by SIGINT"), stop_on_signals():
+        raise KeyboardInterrupt  # Python's own Ctrl-C, or Ray's for one
 
 
 def test_a_command_stopped_by_sigterm_exits_143(monkeypatch, capsys):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import signal
+import contextlib
 import sys
 import types
 import typing
@@ -16,7 +16,7 @@ from pairsim import log, storage
 from pairsim.config import ConfigError, RunConfig, check_tracking_uri, load_config
 from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
-from pairsim.jobs import JobStopped
+from pairsim.jobs import JobStopped, stop_on_signals
 from pairsim.locks import NameInUse
 from pairsim.registry import DATA_FORMATS
 
@@ -426,11 +426,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        log.setup(args.log_level)
-        return args.func(args) or 0
-    except JobStopped as exc:  # SIGTERM to a run (pairsim.jobs.stop_on_sigterm), which has ended KILLED
+        with stop_on_signals(sigint=True):
+            log.setup(args.log_level)
+            return args.func(args) or 0
+    except JobStopped as exc:  # Ctrl-C or SIGTERM at any moment; a run has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        _stop_ray()
+        return 128 + exc.signum
     except NameInUse as exc:  # another run, sweep or build holds the name
         print(f"pairsim: {exc}", file=sys.stderr)
         return 2
@@ -444,13 +446,30 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _stop_ray() -> None:
+    """A stopped command's Ray: the local instance it started ends with it, also when it was
+    stopped while that instance was starting (nothing of it is left running); a cluster it
+    joined is left."""
+    ray = sys.modules.get("ray")
+    if ray is None:
+        return
+    import psutil
+
+    started = psutil.Process().children(recursive=True)  # before the raylet ends and its agents lose their parent
+    ray.shutdown(wait_for_processes=True)
+    for process in psutil.wait_procs(started, timeout=5)[1]:  # agents of an instance stopped while it started
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+
+
 def _reported_errors() -> tuple[type[Exception], ...]:
     """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
     as the engine's pulls in torch."""
+    from pairsim.cluster import WorkersNotStarting
     from pairsim.data.shards import ShardError
     from pairsim.models.saved import UnsafeCheckpointError
 
-    return BuildError, FileNotFoundError, ShardError, SweepFailed, UnsafeCheckpointError
+    return BuildError, FileNotFoundError, ShardError, SweepFailed, UnsafeCheckpointError, WorkersNotStarting
 
 
 if __name__ == "__main__":

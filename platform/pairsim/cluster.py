@@ -25,7 +25,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,10 +152,83 @@ def connect(address: str | None = None, listen_on_all_interfaces: bool = False, 
     ``listen_on_all_interfaces`` (:func:`start_local_instance`). Nothing when Ray is up."""
     if ray.is_initialized():
         return
-    if address or os.environ.get("RAY_ADDRESS"):
-        join_cluster(address, log_to_driver=log_to_driver)
-    else:
-        start_local_instance(listen_on_all_interfaces, log_to_driver=log_to_driver, **local_kwargs)
+    handler = signal.getsignal(signal.SIGTERM)  # pairsim.jobs.stop_on_signals's, when a command runs
+    with workers_watchdog():
+        try:
+            if address or os.environ.get("RAY_ADDRESS"):
+                join_cluster(address, log_to_driver=log_to_driver)
+            else:
+                start_local_instance(listen_on_all_interfaces, log_to_driver=log_to_driver, **local_kwargs)
+        except SystemExit as exc:  # ray.init's own SIGTERM handler, in place while it starts: sys.exit(SIGTERM)
+            if not callable(handler) or exc.code != signal.SIGTERM:
+                raise
+            handler(signal.SIGTERM, None)
+        finally:  # ray.init leaves its core worker's handler (a stack trace, then abort) in place of ours
+            if callable(handler) and threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, handler)
+        ray.get(_worker_started.remote())
+
+
+WORKER_START_TIMEOUT_S = 90.0  # PAIRSIM_WORKER_START_TIMEOUT_S overrides it
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _worker_started() -> bool:
+    return True
+
+
+class WorkersNotStarting(RuntimeError):
+    """Ray did not start, or its worker processes did not, in time (:func:`workers_watchdog`)."""
+
+
+# The watchdog process: after TIMEOUT seconds without being killed it says why on the command's
+# stderr and kills the Ray processes the command started (the blocked ray.init then fails, or
+# Ray's core worker exits the process), then the command itself if it is still there 15 s later.
+_WATCHDOG = """
+import os, sys, time, psutil
+parent, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+time.sleep(timeout)
+print(message, file=sys.stderr, flush=True)
+try:
+    owner = psutil.Process(parent)
+    for child in owner.children(recursive=True):
+        if child.pid != os.getpid():
+            child.kill()
+    if not psutil.wait_procs([owner], timeout=15)[0]:
+        owner.kill()
+except psutil.NoSuchProcess:
+    pass
+"""
+
+
+@contextlib.contextmanager
+def workers_watchdog(timeout_s: float | None = None) -> Iterator[None]:
+    """Ray started or joined, and a task that needs no resources run, within ``timeout_s``; or
+    the likely causes and Ray's logs to read on stderr, and the command ends (exit 1). Without it a command
+    whose Ray worker processes cannot start (the object store cannot be mapped, a broken Python
+    environment on the nodes) waits in silence until killed: Ray retries them for ever, and
+    ``ray.init`` blocks in native code holding the GIL, so no thread or signal handler of this
+    process can act. A small watchdog process does: it kills the Ray processes this command
+    started, which makes ``ray.init`` fail, and the command itself if it is still stuck 15 s on."""
+    timeout_s = float(os.environ.get("PAIRSIM_WORKER_START_TIMEOUT_S", WORKER_START_TIMEOUT_S)) \
+        if timeout_s is None else timeout_s
+    message = (f"Ray's worker processes did not start within {timeout_s:.0f} s (a task needing no resources never "
+               f"ran). Likely causes: the object store cannot be mapped (/dev/shm too small or not writable), a "
+               f"worker's Python environment fails at start (a broken package, sitecustomize or PYTHONPATH), or the "
+               f"machine is out of memory or processes. Read Ray's logs: raylet.out and worker-*.err in "
+               f"/tmp/ray/session_latest/logs (or the session directory of the instance it joined)")
+    started = time.monotonic()
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout_s), f"pairsim: {message}"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield
+    except Exception:
+        if time.monotonic() - started < timeout_s:
+            raise
+        raise WorkersNotStarting("Ray was stopped by the start-up watchdog (the reason is above)") from None
+    finally:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = True) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import pickle
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -211,7 +212,7 @@ STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial 
 def fit(cfg: RunConfig, trial: SweepTrial | None = None, resume: bool = False) -> TrainResult:
     """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
     ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
-    :func:`pairsim.jobs.stop_on_sigterm`) stops it, leaving the last epoch's checkpoint to resume from.
+    :func:`pairsim.jobs.stop_on_signals`) stops it, leaving the last epoch's checkpoint to resume from.
 
     The run holds its name while it lives (:data:`RUN_LOCK` in its directory): a second run under
     a live run's ``ray.run_name`` is refused after the checks, before Ray starts
@@ -306,9 +307,12 @@ def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: St
                                                      for name in datasets}),
     )
     best_path, test_metrics = None, {}
-    with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_sigterm():
+    with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_signals():
         try:
-            result = trainer.fit()
+            try:
+                result = trainer.fit()
+            except SystemExit as exc:  # fit's own Ctrl-C handler aborted the run, then Ray's wait exits
+                raise jobs.JobStopped.by(signal.SIGINT) from exc
             if trial is None:
                 best_path, test_metrics = finish(cfg, prepared.data, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True

@@ -407,7 +407,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult
                                       callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))],
                                       checkpoint_config=tune.CheckpointConfig(
                                           num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))
-    with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_sigterm():
+    with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_signals():
         grid = tuner.fit()
         children = tracking.child_runs(tracking_uri, parent_run_id)
         rows = results.trial_rows(grid, sweep, children, name)
