@@ -7,13 +7,15 @@
 Runs each benchmark script in its own process, one after another (never two at once: they
 time the machine), with the arguments of the chosen profile, each writing
 ``<results>/<benchmark>.json`` and ``.md`` (see ``results.py``); then ``bench_all.json`` and
-``.md``: what ran, for how long, and whether it finished. The docs include the Markdown files
+``.md``: what ran, for how long, and whether it finished (with ``--only``, the other rows are
+kept from the run before). The docs include the Markdown files
 of ``benchmarks/results/`` as they are. Exit status 1 when any benchmark failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -25,11 +27,11 @@ HERE = Path(__file__).resolve().parent
 
 # benchmark → (arguments of the documented run, arguments of the quick run)
 PROFILES: dict[str, tuple[list[str], list[str]]] = {
-    "losses": ([], ["--sizes", "128", "--repeats", "2"]),
+    "losses": (["--repeats", "11"], ["--sizes", "128", "--repeats", "2"]),  # 11: one noisy pass moves no median
     "eval": (["--sizes", "1000", "3000", "10000", "--dim", "512", "--dense-max", "3000", "--faiss",
               "--regimes", "trained", "untrained"],
              ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
-    "ingest": ([], ["--images", "256", "--repeats", "1", "--skip-training"]),
+    "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256"]),
     "train": ([], ["--images", "1280"]),  # 20 steps: two 5-step windows after the warm-up
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
@@ -60,6 +62,12 @@ def main() -> int:
         done = subprocess.run(command, cwd=HERE)
         table.add(f"bench_{name}", " ".join(extra) or "(defaults)", time.perf_counter() - began,
                   "yes" if done.returncode == 0 else f"no (exit {done.returncode})")
+    ran = {row[0] for row in table.rows}
+    previous = directory / "bench_all.json"
+    if args.only and previous.is_file():  # the rows of the benchmarks not run this time stay as they were
+        kept = [row for row in json.loads(previous.read_text())["tables"][0]["rows"] if row[0] not in ran]
+        table.rows = sorted(kept + table.rows, key=lambda row: list(PROFILES).index(row[0].removeprefix("bench_")))
+        table.notes.append(f"This run: {', '.join(sorted(ran))}; the other rows are from the run before.")
     results.publish("bench_all", [table], directory, time.perf_counter() - started)
     return 0 if all(row[-1] == "yes" for row in table.rows) else 1
 

@@ -127,6 +127,7 @@ def data_wait(dataset: Path, out: Path, epochs: int) -> tuple[dict[str, list[flo
     from pairsim.cli import DEMO_CONFIG
     from pairsim.config import load_config
 
+    out.mkdir(parents=True, exist_ok=True)  # its MLflow store's folder must exist
     cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", f"train.epochs={epochs}",
                                     f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
     result = driver.fit(cfg)

@@ -168,3 +168,48 @@ def test_a_manifest_from_a_newer_format_is_refused_naming_the_field(tmp_path):
     with pytest.raises(shards.ShardError, match=r"manifest.json: not a pairsim manifest \(schema_version: Input should "
                                                 r"be less than or equal to 1\)"):
         shards.read_manifest(data)
+
+
+def test_shards_verify_names_a_shard_whose_bytes_or_hash_differ_from_the_manifest(tmp_path, capsys):
+    """64 bytes flipped inside a shard's data pages leave its Parquet footer and row count as
+    they were (what ``train`` and ``inspect`` check); ``shards verify`` reads every byte and
+    names the shard, and a content hash edited in the manifest (zeros) is caught too."""
+    import json
+
+    from pairsim.data import shards, synth
+
+    data = tmp_path / "data"
+    synth.generate(data, num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
+    assert cli.main(["shards", "verify", str(data)]) == 0
+    assert f"{data}: every split verified" in capsys.readouterr().out
+    victim = sorted((data / "train").glob("*.parquet"))[2]
+    raw = bytearray(victim.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 64] = bytes(b ^ 0xFF for b in raw[middle:middle + 64])
+    victim.write_bytes(bytes(raw))
+    shards.verify_split(data, "train", shards.read_manifest(data))  # what a run checks before Ray: footers and rows
+    assert cli.main(["shards", "verify", str(data)]) == 1
+    out = capsys.readouterr().out
+    assert f"{victim}: content differs from its SHA-256 in the manifest" in out
+    assert "val: 1 shards, 8 images — verified" in out
+    assert "train: 4 shards, 40 images — FAILED" in out and "1 of 2 failed verification" in out
+
+    synth.generate(tmp_path / "fresh", num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
+    manifest = json.loads((tmp_path / "fresh" / "manifest.json").read_text())
+    manifest["splits"]["train"]["content_hash"] = "0" * 64
+    (tmp_path / "fresh" / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["shards", "verify", str(tmp_path / "fresh")]) == 1
+    out = capsys.readouterr().out
+    assert "train: its shards differ from the manifest's content hash" in out
+    assert "manifest.json: content_hash is not that of its splits" in out
+
+    for split in manifest["splits"].values():  # a manifest written before per-shard SHA-256s: the split's hash decides
+        del split["shard_sha256"]
+    manifest["splits"]["train"]["content_hash"] = shards.split_content_hash("train", shards.shard_digests(
+        tmp_path / "fresh", "train"))
+    (tmp_path / "fresh" / "manifest.json").write_text(json.dumps(manifest))
+    assert cli.main(["shards", "verify", str(tmp_path / "fresh")]) == 0
+    capsys.readouterr()
+    (tmp_path / "fresh" / "train" / victim.name).write_bytes(bytes(raw))
+    assert cli.main(["shards", "verify", str(tmp_path / "fresh")]) == 1
+    assert "this manifest lists no per-shard SHA-256" in capsys.readouterr().out

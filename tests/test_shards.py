@@ -180,7 +180,7 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
         assert counts.images == len(split_rows)
         assert counts.captions == sum(len(r["captions"]) for r in split_rows)
         assert counts.shards == len(shards.split_files(out, split))
-        assert counts.content_hash == shards.split_content_hash(out, split)  # the files', not the markers'
+        assert counts.content_hash == shards.split_content_hash(split, shards.shard_digests(out, split))  # the files', not the markers'
         assert counts.source == f"{fmt}:{cfg.input.name}"
     assert manifest.content_hash == shards.content_hash({s: c.content_hash for s, c in manifest.splits.items()})
     assert shards.read_manifest(out) == manifest  # what was written reads back the same

@@ -1,4 +1,4 @@
-"""``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect``,
+"""``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect|verify``,
 ``evaluate``, ``export``, ``checkpoints list|verify``, ``doctor``, ``registry``, ``data synth``."""
 
 from __future__ import annotations
@@ -225,6 +225,22 @@ def _shards_inspect(args: argparse.Namespace) -> None:
     print(shards.inspect(args.dir, samples=args.samples, sheet=args.sheet))
 
 
+def _shards_verify(args: argparse.Namespace) -> int:
+    from pairsim.data import shards
+
+    found = shards.verify_dataset(args.dir)
+    manifest = shards.read_manifest(args.dir)
+    for split, problems in found.items():
+        info = manifest.splits.get(split)
+        size = f": {info.shards} shards, {info.images:,} images" if info else ""
+        print(f"{split}{size} — " + ("verified" if not problems else "FAILED"))
+        for problem in problems:
+            print(f"  {problem}")
+    failed = sum(bool(p) for p in found.values())
+    print(f"{failed} of {len(found)} failed verification" if failed else f"{args.dir}: every split verified")
+    return 1 if failed else 0
+
+
 def _shards_build(args: argparse.Namespace) -> None:
     from pairsim.data import builder, shards
 
@@ -259,10 +275,10 @@ def _field_type(annotation: Any) -> Callable[[str], Any]:
 
 
 def add_shards_parser(sub) -> None:
-    """``shards build`` and ``shards inspect`` (also used by pipelines/prepare_data.py). ``build``'s
+    """``shards build``, ``inspect`` and ``verify`` (also used by pipelines/prepare_data.py). ``build``'s
     flags are :class:`~pairsim.data.build_config.BuildConfig`'s fields (``--images-root`` for
     ``images_root``), their types, help and defaults read from it."""
-    shards = sub.add_parser("shards", help="build Parquet shards from a dataset, or inspect them")
+    shards = sub.add_parser("shards", help="build Parquet shards from a dataset, inspect or verify them")
     commands = shards.add_subparsers(dest="shards_command", required=True)
     build = commands.add_parser("build", help="COCO/Flickr30K split files, CSV, WebDataset tars or an image "
                                               "folder → DIR/<split>/part-NNNNN.parquet + manifest.json")
@@ -283,6 +299,10 @@ def add_shards_parser(sub) -> None:
     inspect.add_argument("--sheet", type=Path, help="write a contact sheet PNG of the first split here (none by default: "
                                                    "nothing is written into the dataset)")
     inspect.set_defaults(func=_shards_inspect)
+    verify = commands.add_parser("verify", help="read every shard in full: files, rows and SHA-256s against the "
+                                                "manifest (exit 1 naming what differs)")
+    verify.add_argument("dir", type=location_arg)
+    verify.set_defaults(func=_shards_verify)
 
 
 def _add_model_source(parser: argparse.ArgumentParser) -> None:

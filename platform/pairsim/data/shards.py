@@ -95,15 +95,20 @@ def file_digest(path: Location) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def split_content_hash(root: LocationLike, split: str, digests: dict[str, str] | None = None) -> str:
-    """SHA-256 over a split's shards' file names and SHA-256s, in sorted order (``digests``:
+def shard_digests(root: LocationLike, split: str, digests: dict[str, str] | None = None) -> dict[str, str]:
+    """Each shard of a split (its file name) → its SHA-256, in sorted order (``digests``:
     ``split/file`` → digest already known, e.g. from the build's shard markers)."""
     digests = digests or {}
+    return {path.name: digests.get(f"{split}/{path.name}") or file_digest(path)
+            for path in (Location.of(root) / split).files(".parquet")}
+
+
+def split_content_hash(split: str, shards: dict[str, str]) -> str:
+    """SHA-256 over a split's shards' file names and SHA-256s (:func:`shard_digests`), in sorted order."""
     digest = hashlib.sha256()
-    for path in (Location.of(root) / split).files(".parquet"):
-        rel = f"{split}/{path.name}"
-        digest.update(rel.encode())
-        digest.update((digests.get(rel) or file_digest(path)).encode())
+    for name in sorted(shards):
+        digest.update(f"{split}/{name}".encode())
+        digest.update(shards[name].encode())
     return digest.hexdigest()
 
 
@@ -120,15 +125,16 @@ class ShardError(OSError):
 
 
 class SplitInfo(BaseModel):
-    """One split in ``manifest.json``: its counts and content hash. What a builder adds
-    (``captions_recoded``, ``duplicate_image_ids``, its ``build`` options) rides along as extra
-    fields."""
+    """One split in ``manifest.json``: its counts, content hash and each shard's SHA-256 (none in
+    a manifest written before pairsim recorded them). What a builder adds (``captions_recoded``,
+    ``duplicate_image_ids``, its ``build`` options) rides along as extra fields."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
     images: int
     captions: int
     shards: int
     content_hash: str
+    shard_sha256: dict[str, str] = {}
     rejected: int = 0
     source: str = ""
 
@@ -158,9 +164,11 @@ def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, 
     its files; ``rejected`` (default: the splits' sum) is the lines of ``rejects.jsonl``.
     Written atomically: a reader sees the old manifest or the new one."""
     root = Location.of(root)
-    splits = {name: {"rejected": 0, "source": source} | counts
-              | {"content_hash": counts.get("content_hash") or split_content_hash(root, name, digests)}
-              for name, counts in splits.items()}
+    splits = {name: {"rejected": 0, "source": source} | counts for name, counts in splits.items()}
+    for name, counts in splits.items():
+        if not counts.get("content_hash"):  # a split written now (one carried over from a previous build keeps its own)
+            counts["shard_sha256"] = shard_digests(root, name, digests)
+            counts["content_hash"] = split_content_hash(name, counts["shard_sha256"])
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "source": ", ".join(sorted({c["source"] for c in splits.values()})) or source,
@@ -245,6 +253,35 @@ def verify_split(root: LocationLike, split: str, manifest: Manifest) -> int:
         raise ShardError(f"{Location.of(root)}/{split}: the shards hold {rows} images, the manifest lists {expected}; "
                          f"rebuild the {split} split")
     return rows
+
+
+def verify_dataset(root: LocationLike) -> dict[str, list[str]]:
+    """Every split of ``root``'s dataset read in full (``pairsim shards verify``): its shards as
+    the manifest lists them (:func:`verify_split`), each shard's SHA-256 against the manifest's
+    (named when it differs; a manifest without them is checked by the split's content hash),
+    and the dataset's content hash against its splits'. The problems by split, [] for one that
+    verifies."""
+    root = Location.of(root)
+    manifest = read_manifest(root)
+    found: dict[str, list[str]] = {}
+    for split, info in sorted(manifest.splits.items()):
+        try:
+            verify_split(root, split, manifest)
+        except (ShardError, FileNotFoundError) as exc:
+            found[split] = [str(exc)]
+            continue
+        digests = shard_digests(root, split)
+        problems = [f"{root}/{split}/{name}: content differs from its SHA-256 in the manifest (altered or replaced)"
+                    for name, expected in sorted(info.shard_sha256.items()) if digests.get(name) != expected]
+        problems += [f"{root}/{split}/{name}: not in the manifest" for name in sorted(set(digests) - set(info.shard_sha256))
+                     if info.shard_sha256]
+        if not problems and split_content_hash(split, digests) != info.content_hash:
+            problems.append(f"{root}/{split}: its shards differ from the manifest's content hash (altered, replaced "
+                            f"or renamed{'' if info.shard_sha256 else '; this manifest lists no per-shard SHA-256'})")
+        found[split] = [f"{p}; rebuild the {split} split" for p in problems]
+    if content_hash({name: info.content_hash for name, info in manifest.splits.items()}) != manifest.content_hash:
+        found.setdefault("dataset", []).append(f"{root / MANIFEST}: content_hash is not that of its splits (edited by hand?)")
+    return found
 
 
 def split_files(root: LocationLike, split: str) -> list[str]:
