@@ -92,11 +92,8 @@ def read_card(source: storage.LocationLike) -> ModelCard:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def outside(root: Path, paths: Iterable[Path]) -> list[str]:
