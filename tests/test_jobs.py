@@ -44,13 +44,35 @@ def test_sigint_raises_job_stopped_when_asked_and_a_plain_keyboard_interrupt_lea
         raise KeyboardInterrupt  # Python's own Ctrl-C, or Ray's for one
 
 
-def test_a_command_stopped_by_sigterm_exits_143(monkeypatch, capsys):
+def test_a_command_stopped_by_sigterm_exits_143_and_leaves_its_callers_processes(monkeypatch, capsys):
+    """What ran before :func:`cli.main` (a test session's servers, a program's children) is not
+    the command's to stop."""
+    import subprocess
+
     def stopped(*args):
         raise JobStopped("stopped by SIGTERM")
 
+    callers = subprocess.Popen(["sleep", "60"])
     monkeypatch.setattr(cli, "_demo", stopped)
-    assert cli.main(["demo"]) == 128 + signal.SIGTERM
-    assert "pairsim: stopped by SIGTERM" in capsys.readouterr().err
+    try:
+        assert cli.main(["demo"]) == 128 + signal.SIGTERM
+        assert "pairsim: stopped by SIGTERM" in capsys.readouterr().err
+        with pytest.raises(subprocess.TimeoutExpired):  # still running: a kill would end this wait at once
+            callers.wait(timeout=2)
+    finally:
+        callers.kill()
+
+
+@pytest.mark.slow
+def test_a_command_stopped_in_a_program_connected_to_ray_leaves_that_connection(ray_instance, monkeypatch):
+    """A command run in-process by a program already connected to Ray (the test session's
+    instance here) ends; the instance is not the command's, and keeps working."""
+    def stopped(*args):
+        raise JobStopped.by(signal.SIGINT)
+
+    monkeypatch.setattr(cli, "_demo", stopped)
+    assert cli.main(["demo"]) == 128 + signal.SIGINT
+    assert ray_instance.is_initialized() and ray_instance.get(ray_instance.remote(lambda: 7).remote()) == 7
 
 
 @pytest.mark.parametrize("outcome, status", [("succeeds", "FINISHED"), ("fails", "FAILED"), ("stopped", "KILLED")])

@@ -445,13 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    ray_before = _RayBefore()
     try:
         with stop_on_signals(sigint=True):
             log.setup(args.log_level)
             return args.func(args) or 0
     except JobStopped as exc:  # Ctrl-C or SIGTERM at any moment; a run has ended KILLED
         print(f"pairsim: {exc}", file=sys.stderr)
-        _stop_ray()
+        ray_before.stop_what_came_since()
         return 128 + exc.signum
     except NameInUse as exc:  # another run, sweep or build holds the name
         print(f"pairsim: {exc}", file=sys.stderr)
@@ -466,20 +467,32 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _stop_ray() -> None:
-    """A stopped command's Ray: the local instance it started ends with it, also when it was
-    stopped while that instance was starting (nothing of it is left running); a cluster it
-    joined is left."""
-    ray = sys.modules.get("ray")
-    if ray is None:
-        return
-    import psutil
+class _RayBefore:
+    """Ray as a command found it (its own process's children; whether it was connected), so a
+    stopped command ends the local instance it started, also when it was stopped while that
+    instance was starting (nothing of it is left running), and nothing else: not a Ray
+    connection or processes of a program that called :func:`main` (a test session), nor a
+    cluster it joined."""
 
-    started = psutil.Process().children(recursive=True)  # before the raylet ends and its agents lose their parent
-    ray.shutdown(wait_for_processes=True)
-    for process in psutil.wait_procs(started, timeout=5)[1]:  # agents of an instance stopped while it started
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.kill()
+    def __init__(self):
+        import psutil
+
+        ray = sys.modules.get("ray")
+        self.connected = ray is not None and ray.is_initialized()
+        self.children = {p.pid for p in psutil.Process().children(recursive=True)}
+
+    def stop_what_came_since(self) -> None:
+        ray = sys.modules.get("ray")
+        if ray is None or self.connected:
+            return
+        import psutil
+
+        # taken before the raylet ends and its agents lose their parent
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in self.children]
+        ray.shutdown(wait_for_processes=True)
+        for process in psutil.wait_procs(started, timeout=5)[1]:  # agents of an instance stopped while it started
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def _reported_errors() -> tuple[type[Exception], ...]:
