@@ -182,6 +182,18 @@ class Location:
         with self.open_input() as f:
             return f.read()
 
+    def read_bounded(self, max_bytes: int, error: type[Exception], too_big: str) -> bytes:
+        """The file's bytes, at most ``max_bytes`` read (a user's file may be anything): ``error``
+        naming it when it cannot be read, or is larger ("larger than N bytes, ``too_big``")."""
+        try:
+            with self.open_input() as f:
+                data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise error(f"{self}: cannot be read ({exc.strerror or exc})") from None
+        if len(data) > max_bytes:
+            raise error(f"{self}: larger than {max_bytes:,} bytes, {too_big}")
+        return data
+
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")
 

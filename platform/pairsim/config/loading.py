@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from pairsim import storage
 from pairsim.config.fields import ConfigError
 from pairsim.config.params import drop_replaced_params
 from pairsim.config.schema import RunConfig, validate
@@ -97,13 +98,7 @@ def read_yaml(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (resolved against the working directory: "
                                                              f"{path.resolve()})" if not path.is_absolute() else ""))
-    try:
-        with path.open("rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if len(data) > max_bytes:
-        raise ConfigError(f"{path}: larger than {max_bytes:,} bytes, too big for a config file")
+    data = storage.Location.of(path).read_bounded(max_bytes, ConfigError, "too big for a config file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -67,13 +67,7 @@ def read_metadata(source: storage.LocationLike, kind: type[Metadata]) -> Metadat
     """A card or checksum file (a path or a URI) as ``kind``; :class:`MetadataError` naming the
     file and every wrong field otherwise."""
     location = storage.Location.of(source)
-    try:
-        with location.open_input() as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as exc:
-        raise MetadataError(f"{location}: cannot be read ({exc.strerror or exc})") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise MetadataError(f"{location}: larger than {MAX_METADATA_BYTES:,} bytes, not a file pairsim writes")
+    data = location.read_bounded(MAX_METADATA_BYTES, MetadataError, "not a file pairsim writes")
     try:
         tree = json.loads(data.decode("utf-8"))
     except ValueError as exc:  # not UTF-8 or not JSON
