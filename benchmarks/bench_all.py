@@ -9,7 +9,8 @@ time the machine), with the arguments of the chosen profile, each writing
 ``<results>/<benchmark>.json`` and ``.md`` (see ``results.py``); then ``bench_all.json`` and
 ``.md``: what ran, for how long, and whether it finished (with ``--only``, the other rows are
 kept from the run before). The docs include the Markdown files
-of ``benchmarks/results/`` as they are. Exit status 1 when any benchmark failed.
+of ``benchmarks/results/`` as they are. Exit status 1 when any benchmark failed; the end of
+each failed one's output is printed again last.
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ PROFILES: dict[str, tuple[list[str], list[str]]] = {
     "eval": (["--sizes", "1000", "3000", "10000", "--dim", "512", "--dense-max", "3000", "--faiss",
               "--regimes", "trained", "untrained"],
              ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
-    "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256"]),
+    "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256", "--log-every", "1"]),
     "train": ([], ["--images", "1280"]),  # 20 steps: two 5-step windows after the warm-up
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
 }
+
+
+def run_showing(command: list[str], tail_bytes: int = 6000) -> tuple[int, str]:
+    """Run `command`, passing its output (stderr included) through as it comes; (exit code, its output's end)."""
+    process = subprocess.Popen(command, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = b""
+    while chunk := process.stdout.read1(65536):
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.flush()
+        tail = (tail + chunk)[-tail_bytes:]
+    return process.wait(), tail.decode(errors="replace")
 
 
 def main() -> int:
@@ -52,6 +64,7 @@ def main() -> int:
     table = results.Table(f"bench_all ({profile} sizes): each benchmark in its own process, one after another",
                           ["benchmark", "arguments", "wall s", "finished"], ["", "", ".0f", ""])
     started = time.perf_counter()
+    failures: list[str] = []
     for name in args.only or PROFILES:
         extra = PROFILES[name][1 if args.quick else 0]
         command = [sys.executable, str(HERE / f"bench_{name}.py"), *extra, "--results", str(directory)]
@@ -59,9 +72,11 @@ def main() -> int:
             command += ["--out", str((args.work / ("quick" if args.quick else "") / name).resolve())]
         print(f"\n=== bench_{name} {' '.join(extra)}", flush=True)
         began = time.perf_counter()
-        done = subprocess.run(command, cwd=HERE)
+        returncode, tail = run_showing(command)
         table.add(f"bench_{name}", " ".join(extra) or "(defaults)", time.perf_counter() - began,
-                  "yes" if done.returncode == 0 else f"no (exit {done.returncode})")
+                  "yes" if returncode == 0 else f"no (exit {returncode})")
+        if returncode:
+            failures.append(f"=== bench_{name} failed (exit {returncode}); the end of its output:\n{tail}")
     ran = {row[0] for row in table.rows}
     previous = directory / "bench_all.json"
     if args.only and previous.is_file():  # the rows of the benchmarks not run this time stay as they were
@@ -69,6 +84,7 @@ def main() -> int:
         table.rows = sorted(kept + table.rows, key=lambda row: list(PROFILES).index(row[0].removeprefix("bench_")))
         table.notes.append(f"This run: {', '.join(sorted(ran))}; the other rows are from the run before.")
     results.publish("bench_all", [table], directory, time.perf_counter() - started)
+    print("\n\n".join(failures), file=sys.stderr)  # last, where a reader of the end of the log finds them
     return 0 if all(row[-1] == "yes" for row in table.rows) else 1
 
 

@@ -119,7 +119,7 @@ def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str,
     return name, statistics.median(ray_rates), statistics.median(loader_rates)
 
 
-def data_wait(dataset: Path, out: Path, epochs: int) -> tuple[dict[str, list[float]], float]:
+def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> tuple[dict[str, list[float]], float]:
     """(the perf/* data-wait metrics per epoch, median samples/s) of a real run of the demo config."""
     from mlflow.tracking import MlflowClient
 
@@ -129,12 +129,16 @@ def data_wait(dataset: Path, out: Path, epochs: int) -> tuple[dict[str, list[flo
 
     out.mkdir(parents=True, exist_ok=True)  # its MLflow store's folder must exist
     cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", f"train.epochs={epochs}",
-                                    f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
+                                    f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"]
+                      + ([f"train.log_every_n_steps={log_every}"] if log_every else []))
     result = driver.fit(cfg)
     client = MlflowClient(result.tracking_uri)
     waits = {key: [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, key), key=lambda m: m.step)]
              for key in ("perf/data_wait_share", "perf/data_wait_share_running", "perf/first_batch_wait_s")}
     rates = [m.value for m in client.get_metric_history(result.mlflow_run_id, "train/samples_per_s")]
+    if not rates:
+        raise SystemExit(f"the training run logged no train/samples_per_s: it ran fewer than "
+                         f"train.log_every_n_steps={cfg.train.log_every_n_steps} steps; pass --log-every")
     return waits, statistics.median(rates)
 
 
@@ -167,6 +171,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the training run")
     parser.add_argument("--train-images", type=int, default=10_000, help="shapes for the training run (the demo's)")
+    parser.add_argument("--log-every", type=int, help="the training run's train.log_every_n_steps (default: the "
+                        "demo's); a run of few steps needs a smaller one to log its rate")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("bench_out/ingest"))
@@ -182,7 +188,7 @@ def main() -> None:
         demo = out / "shapes-demo"
         if not (demo / shards.MANIFEST).exists():
             synth.generate(demo, num_train=args.train_images)
-        waits, rate = data_wait(demo, out / "train", args.epochs)
+        waits, rate = data_wait(demo, out / "train", args.epochs, args.log_every)
         table = results.Table(f"Training run (demo config: pairsim-tiny, 2 workers × batch 64, {args.train_images} "
                               f"shapes, {rate:.0f} samples/s): share of step time waiting for data (target < 10 %)",
                               ["epoch", "data wait %", "after 1st batch %", "1st batch wait s"], ["d", ".1f", ".1f", ".1f"])
