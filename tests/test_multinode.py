@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from conftest import complete_checkpoints, steps_logged_twice, unused_ports
 from pairsim.data import synth
 
-pytestmark = pytest.mark.slow  # ~8 min: six raylets, three submitted runs
+pytestmark = pytest.mark.slow  # ~6 min: six raylets, two submitted runs
 REPO = Path(__file__).parents[1]
 RAY = Path(sys.executable).parent / "ray"
 CLIENT_ENV = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}  # Ray 2.60 heads take a token
@@ -142,30 +142,12 @@ def the_run(tmp_path: Path):
     return client, run
 
 
-def test_a_submitted_run_trains_on_training_nodes_and_reads_data_on_data_nodes(cluster, tmp_path):
-    src = job_source(tmp_path, 128, train={"epochs": 1}, ray={"run_name": "placed"})
-    job = subprocess.run(submit_command(cluster, src), capture_output=True, text=True, timeout=900, env=CLIENT_ENV)
-    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
-    _, run = the_run(tmp_path)
-    assert {"val/rsum", "test/rsum"} <= set(run.data.metrics)
-
-    actors = state(cluster.address, "actors")
-    train_workers = [a for a in actors if a["class_name"] == "RayTrainWorker"]
-    embedders = [a for a in actors if "EmbedBatches" in a["class_name"]]
-    assert len(train_workers) == 2 and {a["node_id"] for a in train_workers} <= cluster.role("train")
-    assert embedders and {a["node_id"] for a in embedders} <= cluster.role("train")  # the test split's model
-    tasks = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK"]
-    data_work = [t for t in tasks if "ReadParquet" in t["name"] or "_start_ingest_worker" in t["name"]]
-    assert any("_start_ingest_worker" in t["name"] for t in data_work)
-    assert {t["name"].split("->")[0] for t in data_work} >= {"ReadParquet"}
-    assert {t["node_id"] for t in data_work} == cluster.role("data"), {
-        (t["name"], t["node_id"]) for t in data_work if t["node_id"] not in cluster.role("data")}
-
-
-def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_the_nodes_left(cluster, tmp_path):
-    """A training node killed (its raylet, object store and workers: a spot instance gone) in
-    epoch 2: Ray Train restarts the worker group on the training nodes left from epoch 1's
-    checkpoint, on storage every node sees; one MLflow run, no metric step twice."""
+def test_a_submitted_run_is_placed_by_role_and_survives_a_training_node_lost_mid_epoch(cluster, tmp_path):
+    """Its Ray Train workers and the test split's embedding actors run on training nodes, Ray
+    Data's reads and the ingest workers on the data node. A training node killed (its raylet,
+    object store and workers: a spot instance gone) in epoch 2: Ray Train restarts the worker
+    group on the training nodes left from epoch 1's checkpoint, on storage every node sees; one
+    MLflow run, no metric step twice. (One run for both: each submitted run costs minutes.)"""
     src = job_source(tmp_path, 1200, train={"epochs": 2}, ray={"run_name": "survivor", "max_failures": 2})
     run_dir = tmp_path / "ray_results" / "survivor"
     job = subprocess.Popen(submit_command(cluster, src), stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT,
@@ -175,6 +157,7 @@ def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_t
         assert job.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-4000:]
         time.sleep(1)
     before = {a["actor_id"]: a for a in state(cluster.address, "actors") if a["class_name"] == "RayTrainWorker"}
+    assert len(before) == 2 and {a["node_id"] for a in before.values()} <= cluster.role("train")
     lost = next(name for name, node_id in cluster.node_ids.items()
                 if node_id in {a["node_id"] for a in before.values() if a["state"] == "ALIVE"})
     cluster.kill(lost)
@@ -188,6 +171,14 @@ def test_a_training_node_lost_mid_epoch_the_run_goes_on_from_its_checkpoint_on_t
     restarted = [a for a in state(cluster.address, "actors")
                  if a["class_name"] == "RayTrainWorker" and a["actor_id"] not in before]
     assert len(restarted) == 2 and {a["node_id"] for a in restarted} <= cluster.role("train") - {cluster.node_ids[lost]}
+    embedders = [a for a in state(cluster.address, "actors") if "EmbedBatches" in a["class_name"]]
+    assert embedders and {a["node_id"] for a in embedders} <= cluster.role("train")  # the test split's model
+    tasks = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK"]
+    data_work = [t for t in tasks if "ReadParquet" in t["name"] or "_start_ingest_worker" in t["name"]]
+    assert any("_start_ingest_worker" in t["name"] for t in data_work)
+    assert {t["name"].split("->")[0] for t in data_work} >= {"ReadParquet"}
+    assert {t["node_id"] for t in data_work} == cluster.role("data"), {
+        (t["name"], t["node_id"]) for t in data_work if t["node_id"] not in cluster.role("data")}
 
 
 def test_a_data_node_lost_mid_run_every_pair_is_trained_once_with_checkpoints_on_s3(cluster, tmp_path, s3_env):
