@@ -143,6 +143,23 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "pairsim-test-key-id", "AWS_SECRET_ACCESS_KEY": "
           "AWS_DEFAULT_REGION": "us-east-1"}  # the secret must never show up in a log, param or artifact
 
 
+def remanifest(root: Path) -> None:
+    """Write ``root``'s manifest anew over its shards as they now are (rows, captions, SHA-256s):
+    a dataset a test edited in place, as it would have been built."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pairsim.data import shards
+
+    manifest = shards.read_manifest(root)
+    splits = {}
+    for split in manifest.splits:
+        table = pq.read_table(sorted((root / split).glob("*.parquet")), columns=["captions"])
+        splits[split] = {"images": table.num_rows, "captions": int(pc.sum(pc.list_value_length(table["captions"])).as_py()),
+                         "shards": len(list((root / split).glob("*.parquet")))}
+    shards.write_manifest(root, manifest.source, splits, **(manifest.model_extra or {}))
+
+
 @pytest.fixture(scope="session")
 def s3_env() -> dict[str, str]:
     """An S3 API (moto's server) on loopback for the session, and the standard environment

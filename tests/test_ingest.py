@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import on_gloo_ranks
+from conftest import on_gloo_ranks, remanifest
 from pairsim.config import RunConfig
 from pairsim.data import ingest, shards
 
@@ -67,6 +67,7 @@ def dataset_with_bad_images(tiny_dataset, tmp_path_factory):
     bad[1]["image"] = rows[30]["image"][:40]  # truncated PNG
     bad[2]["image"] = b""
     pq.write_table(pa.Table.from_pylist(bad[:9] + rows + bad[9:], schema=shards.SHARD_SCHEMA), last)
+    remanifest(root)  # the bad images were there when it was built: they are undecodable, not altered
     return root, {row["image_id"] for row in bad}
 
 

@@ -19,6 +19,7 @@ from pairsim.eval.report import format_report
 from pairsim.models.fusion import NormalizedSumFusion
 from pairsim.registry import DATA_FORMATS, FUSIONS, METRICS
 from pairsim.train import driver
+from conftest import remanifest
 from test_evaluate import tiny_split
 
 KS = (1, 5, 10)
@@ -93,6 +94,7 @@ def _copy_without_labels(src, dst, split):
         table = pq.read_table(path)
         labels = pa.array(np.full(table.num_rows, -1, dtype=np.int32))
         pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", labels), path)
+    remanifest(dst)
     return dst
 
 
@@ -103,6 +105,7 @@ def _single_caption_copy(src, dst, split):
         first = pc.list_slice(table.column("captions"), 0, 1)
         pq.write_table(table.set_column(table.schema.get_field_index("captions"), "captions",
                                         first.cast(table.schema.field("captions").type)), path)
+    remanifest(dst)
     return dst
 
 

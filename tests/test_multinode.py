@@ -174,9 +174,9 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_training_node_lost_mid
     embedders = [a for a in state(cluster.address, "actors") if "EmbedBatches" in a["class_name"]]
     assert embedders and {a["node_id"] for a in embedders} <= cluster.role("train")  # the test split's model
     tasks = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK"]
-    data_work = [t for t in tasks if "ReadParquet" in t["name"] or "_start_ingest_worker" in t["name"]]
+    data_work = [t for t in tasks if "ReadVerifiedParquet" in t["name"] or "_start_ingest_worker" in t["name"]]
     assert any("_start_ingest_worker" in t["name"] for t in data_work)
-    assert {t["name"].split("->")[0] for t in data_work} >= {"ReadParquet"}
+    assert {t["name"].split("->")[0] for t in data_work} >= {"ReadVerifiedParquet"}
     assert {t["node_id"] for t in data_work} == cluster.role("data"), {
         (t["name"], t["node_id"]) for t in data_work if t["node_id"] not in cluster.role("data")}
 
@@ -215,5 +215,5 @@ def test_a_data_node_lost_mid_run_every_pair_is_trained_once_with_checkpoints_on
     checkpoints = [info.base_name for info in s3.get_file_info(pafs.FileSelector("pairsim-multinode/ray/data-lost"))
                    if info.base_name.startswith("checkpoint_") and info.type == pafs.FileType.Directory]
     assert len(checkpoints) == 2
-    data_work = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK" and "ReadParquet" in t["name"]]
+    data_work = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK" and "ReadVerifiedParquet" in t["name"]]
     assert any("Project" in t["name"] for t in data_work if t["node_id"] == cluster.node_ids["data-2"])  # train reads

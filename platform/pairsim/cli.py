@@ -463,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if not isinstance(exc, _reported_errors()):
             raise
-        print(f"pairsim: {exc}", file=sys.stderr)
+        ray_before.stop_what_came_since()  # first: Ray's forwarding of its workers' tracebacks ends, this line is last
+        print(f"pairsim: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)  # a Ray task's: its cause
         return 1
 
 

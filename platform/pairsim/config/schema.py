@@ -40,6 +40,10 @@ class DataConfig(Section):
     cpus_per_task: Float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
     max_cpus: Float | None = Field(
         None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
+    shard_checks: Literal["error", "skip", "off"] = Field(
+        "error", description="each shard's SHA-256, computed as Ray Data reads it, against its manifest's: error "
+                             "fails the run naming the shard; skip leaves it out, its image ids listed in the run's "
+                             "data/skipped_images.json; off reads it unchecked (pairsim.data.shard_reader)")
     audit_epochs: Bool = Field(
         False, description="count each epoch's trained pairs over all ranks and log data/epoch_pairs, "
                            "data/epoch_pairs_repeated (rows delivered twice, e.g. by a retried task) and "

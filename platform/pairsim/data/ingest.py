@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
+from pairsim.data.shard_reader import VerifiedParquetDatasource
 from pairsim.storage import filesystem_and_paths
 
 
@@ -238,27 +239,26 @@ def map_shards(ds: ray.data.Dataset, fn, rows: int, cfg: RunConfig) -> ray.data.
 
 
 def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int | None | bool = False,
-               include_paths: bool = False, data: shards.RunData | None = None) -> ray.data.Dataset:
-    """A split's shards, only ``columns`` read; file order shuffled each epoch (seeded) unless
+               include_paths: bool = False, data: shards.RunData | None = None,
+               ledger_name: str | None = None) -> ray.data.Dataset:
+    """A split's shards, only ``columns`` parsed; file order shuffled each epoch (seeded) unless
     ``shuffle_seed`` is False. The shards are checked against the manifest ``data`` holds (a run's,
-    read once by the driver), else against the one read from the split's dataset directory.
+    read once by the driver), else against the one read from the split's dataset directory: their
+    number before the read, each one's SHA-256 as it is read (``data.shard_checks``, see
+    :mod:`pairsim.data.shard_reader`; shards left out go to ``ledger_name``'s ledger).
 
-    Read with Ray Data's V1 Parquet datasource, one read task per shard: in Ray 2.60 the V2
-    one packs files into 128 MB read tasks, so a small split becomes a single block that one
-    CPU decodes (ray-project/ray#63817), and it starts a footer-reader actor pool each epoch
-    (~2 s). One block per file also lets Ray Data fuse the read with the ``map_batches`` that
-    follow into one task per shard, with no hop through the object store between them.
+    One read task per shard (a small split is not packed into one block that one CPU decodes,
+    as Ray 2.60's V2 Parquet datasource does, ray-project/ray#63817), so Ray Data fuses the read
+    with the ``map_batches`` that follow into one task per shard, with no hop through the
+    object store between them.
     """
-    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split,
-                                                         data.manifest(split) if data else None))
-    shuffle = None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed)
-    context = ray.data.DataContext.get_current()
-    v2, context.use_datasource_v2 = context.use_datasource_v2, False
-    try:
-        return ray.data.read_parquet(files, filesystem=fs, columns=columns, shuffle=shuffle, include_paths=include_paths,
-                                     override_num_blocks=len(files))
-    finally:
-        context.use_datasource_v2 = v2
+    manifest = data.manifest(split) if data else shards.read_manifest(cfg.data.split_path(split))
+    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split, manifest))
+    source = VerifiedParquetDatasource(files, filesystem=fs, digests=manifest.split(split).shard_sha256,
+                                       columns=columns, checks=cfg.data.shard_checks, ledger_name=ledger_name,
+                                       include_paths=include_paths,
+                                       shuffle=None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed))
+    return ray.data.read_datasource(source, override_num_blocks=len(files))
 
 
 def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None,
@@ -270,7 +270,7 @@ def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None
     from ray.data.expressions import random
 
     ds = read_split(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_seed=cfg.data.seed,
-                    include_paths=store is not None, data=data)
+                    include_paths=store is not None, data=data, ledger_name=ledger_name)
     ds = ds.with_column("draw", random(seed=cfg.data.seed, reseed_after_execution=True))
     return map_shards(ds, TrainPreprocess(cfg, ledger_name, teachers, store), cfg.train.micro_batch_size, cfg)
 
@@ -286,13 +286,13 @@ def execution_options(cfg: RunConfig, data_nodes: dict[str, str] | None = None,
 
 
 def eval_images(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image", "image_id", "label"], data=data), EvalImages(cfg, ledger_name),
-                      cfg.eval.batch_size, cfg)
+    return map_shards(read_split(cfg, split, ["image", "image_id", "label"], data=data, ledger_name=ledger_name),
+                      EvalImages(cfg, ledger_name), cfg.eval.batch_size, cfg)
 
 
-def eval_texts(cfg: RunConfig, split: str, data: shards.RunData | None = None) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data), EvalTexts(cfg.model.arch),
-                      cfg.eval.batch_size, cfg)
+def eval_texts(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
+    return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data, ledger_name=ledger_name),
+                      EvalTexts(cfg.model.arch), cfg.eval.batch_size, cfg)
 
 
 @ray.remote

@@ -72,7 +72,7 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     try:
         with tqdm(total=counts.images + counts.captions, desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
-            for ds in (ingest.eval_images(cfg, split, ledger_name, data), ingest.eval_texts(cfg, split, data)):
+            for ds in (ingest.eval_images(cfg, split, ledger_name, data), ingest.eval_texts(cfg, split, ledger_name, data)):
                 ds = ds.map_batches(EmbedBatches, **embed)
                 ds.context.execution_options.label_selector = roles and roles.data
                 for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):

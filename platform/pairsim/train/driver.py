@@ -26,6 +26,7 @@ from ray.train.torch import TorchTrainer
 from pairsim import cluster, jobs, locks, log, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
+from pairsim.data.shard_reader import checksum_failure
 from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
 from pairsim.teachers import encoders as teachers
@@ -271,7 +272,7 @@ def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: St
     datasets = {
         "train": ingest.train_dataset(cfg, ledger_name, *teacher_sources(cfg), data=prepared.data),
         "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, prepared.data),
-        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, prepared.data),
+        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, ledger_name, prepared.data),
     }
     worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
                                                              if cfg.train.use_gpu else {})
@@ -313,6 +314,10 @@ def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: St
                 result = trainer.fit()
             except SystemExit as exc:  # fit's own Ctrl-C handler aborted the run, then Ray's wait exits
                 raise jobs.JobStopped.by(signal.SIGINT) from exc
+            except ray.train.TrainingFailedError as exc:  # a shard that fails its check is reported as itself
+                if (bad_shard := checksum_failure(exc)) is not None:
+                    raise bad_shard from None
+                raise
             if trial is None:
                 best_path, test_metrics = finish(cfg, prepared.data, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True
