@@ -4,6 +4,9 @@
     python benchmarks/bench_all.py --quick                 # tiny sizes, minutes → bench_out/results-quick/
     python benchmarks/bench_all.py --only losses eval      # some of them
 
+``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
+runs at the documented sizes only.
+
 Runs each benchmark script in its own process, one after another (never two at once: they
 time the machine), with the arguments of the chosen profile, each writing
 ``<results>/<benchmark>.json`` and ``.md`` (see ``results.py``); then ``bench_all.json`` and
@@ -26,8 +29,8 @@ import results
 
 HERE = Path(__file__).resolve().parent
 
-# benchmark → (arguments of the documented run, arguments of the quick run)
-PROFILES: dict[str, tuple[list[str], list[str]]] = {
+# benchmark → (arguments of the documented run, arguments of the quick run; None: not in it)
+PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "losses": (["--repeats", "11"], ["--sizes", "128", "--repeats", "2"]),  # 11: one noisy pass moves no median
     "eval": (["--sizes", "1000", "3000", "10000", "--dim", "512", "--dense-max", "3000", "--faiss",
               "--regimes", "trained", "untrained"],
@@ -37,6 +40,7 @@ PROFILES: dict[str, tuple[list[str], list[str]]] = {
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
+    "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
 }
 
 
@@ -67,8 +71,10 @@ def main() -> int:
     failures: list[str] = []
     for name in args.only or PROFILES:
         extra = PROFILES[name][1 if args.quick else 0]
+        if extra is None:
+            continue
         command = [sys.executable, str(HERE / f"bench_{name}.py"), *extra, "--results", str(directory)]
-        if name not in ("losses", "eval"):
+        if name not in ("losses", "eval"):  # the others write data and runs
             command += ["--out", str((args.work / ("quick" if args.quick else "") / name).resolve())]
         print(f"\n=== bench_{name} {' '.join(extra)}", flush=True)
         began = time.perf_counter()

@@ -106,12 +106,17 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"*`{result['command']}` — commit `{env['commit']}`, {env['date']}, {result['seconds']:.0f} s; "
              f"{hardware}; Python {env['python']}, {packages}.*", ""]
     for table in result["tables"]:
-        lines += [f"**{table['title']}**", "",
-                  "| " + " | ".join(table["columns"]) + " |",
-                  "|" + "|".join("---" if not spec else "---:" for spec in table["formats"]) + "|"]
-        lines += ["| " + " | ".join(_cell(v, s) for v, s in zip(row, table["formats"])) + " |" for row in table["rows"]]
-        lines += [""] + [f"{note}" for note in table["notes"]] + ([""] if table["notes"] else [])
+        lines += [f"**{table['title']}**", "", render_table(table), ""]
+        lines += [f"{note}" for note in table["notes"]] + ([""] if table["notes"] else [])
     return "\n".join(lines).rstrip() + "\n"
+
+
+def render_table(table: dict[str, Any]) -> str:
+    """One table of a results file's JSON as a Markdown table (no title, no notes)."""
+    lines = ["| " + " | ".join(table["columns"]) + " |",
+             "|" + "|".join("---" if not spec else "---:" for spec in table["formats"]) + "|"]
+    lines += ["| " + " | ".join(_cell(v, s) for v, s in zip(row, table["formats"])) + " |" for row in table["rows"]]
+    return "\n".join(lines)
 
 
 def publish(name: str, tables: list[Table], directory: Path, seconds: float) -> dict[str, Any]:

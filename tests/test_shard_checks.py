@@ -56,6 +56,7 @@ def test_an_altered_shard_fails_the_read_naming_it_and_the_verify_command(datase
     plain = checksum_failure(caught.value)
     assert str(plain).startswith(f"{victim}: its SHA-256 is ") and f"pairsim shards verify {dataset}" in str(plain)
     assert "\n" not in str(plain)  # not Ray Data's retry advice, appended to the message in the read task
+    assert cli._message(caught.value) == str(plain)  # what `pairsim evaluate` prints, reading the split on the driver
     # as a training run's driver meets it: in one rank's failure, inside Ray Train's error
     assert str(checksum_failure(WorkerGroupError("training failed", {1: caught.value}))) == str(plain)
     assert checksum_failure(WorkerGroupError("training failed", {0: RuntimeError("other")})) is None

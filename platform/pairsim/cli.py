@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(exc, _reported_errors()):
             raise
         ray_before.stop_what_came_since()  # first: Ray's forwarding of its workers' tracebacks ends, this line is last
-        print(f"pairsim: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)  # a Ray task's: its cause
+        print(f"pairsim: {_message(exc)}", file=sys.stderr)
         return 1
 
 
@@ -494,6 +494,14 @@ class _RayBefore:
         for process in psutil.wait_procs(started, timeout=5)[1]:  # agents of an instance stopped while it started
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
+
+
+def _message(exc: Exception) -> str:
+    """A reported error's message; a Ray task's is its cause's, without what Ray Data appends
+    to a failed read's (its retry advice)."""
+    from pairsim.data.shard_reader import checksum_failure
+
+    return str(checksum_failure(exc) or getattr(exc, "cause", None) or exc)
 
 
 def _reported_errors() -> tuple[type[Exception], ...]:
