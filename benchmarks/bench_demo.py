@@ -26,6 +26,7 @@ from mlflow.tracking import MlflowClient
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 from pairsim.data import shards
+from pairsim.tracking import metric_key
 
 DIRECTIONS = {"i2t": "image→text", "t2i": "text→image", "i2i": "image→image", "t2t": "text→text"}
 COLUMNS = {"R@1": ".2f", "R@5": ".2f", "R@10": ".2f", "mAP@R": ".2f", "R-P": ".2f", "median_rank": ".1f"}
@@ -36,7 +37,7 @@ PLATFORM = Path(__file__).resolve().parents[1] / "platform"
 def by_direction(title: str, metrics: dict[str, float], prefix: str) -> results.Table:
     table = results.Table(title, ["direction", *COLUMNS], ["", *COLUMNS.values()])
     for key, name in DIRECTIONS.items():
-        table.add(name, *(metrics[f"{prefix}/{key}_{column}"] for column in COLUMNS))
+        table.add(name, *(metrics[metric_key(f"{prefix}/{key}_{column}")] for column in COLUMNS))
     table.notes.append(f"RSUM {metrics[f'{prefix}/rsum']:.2f}")
     return table
 
@@ -56,6 +57,12 @@ def main() -> None:
                     *(arg for override in args.overrides for arg in ("--set", override))], cwd=out, env=env, check=True)
     seconds = time.perf_counter() - started
 
+    tables = read_tables(out, seconds)
+    results.publish("bench_demo", tables, args.results, seconds)
+
+
+def read_tables(out: Path, seconds: float) -> list[results.Table]:
+    """The tables of the demo run in ``out`` (its MLflow store and data), which took ``seconds``."""
     client = MlflowClient(f"sqlite:///{out}/mlflow.db")
     run, = client.search_runs([e.experiment_id for e in client.search_experiments()])
     history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/rsum")}
@@ -75,11 +82,11 @@ def main() -> None:
     grid = results.Table(f"Modality grid after epoch {epoch}: R@1 of queries of one kind (rows) over keys of another",
                          ["query", *MODALITIES], ["", *[".2f"] * len(MODALITIES)])
     for query in MODALITIES:
-        grid.add(query, *(val[f"val/grid_{query}2{key}_R@1"] for key in MODALITIES))
+        grid.add(query, *(val[metric_key(f"val/grid_{query}2{key}_R@1")] for key in MODALITIES))
     tables.append(grid)
     if "test/rsum" in run.data.metrics:
         tables.append(by_direction(f"Test with epoch {epoch}'s checkpoint ({sizes['test']})", run.data.metrics, "test"))
-    results.publish("bench_demo", tables, args.results, seconds)
+    return tables
 
 
 def minutes(seconds: float) -> str:

@@ -47,6 +47,16 @@ def test_the_docs_include_every_results_file_and_the_page_holds_no_table_of_its_
     assert all(block.startswith("```bash") for block in re.findall(r"```\w*", page)[::2])
 
 
+def test_the_readme_shows_the_demos_figures_as_its_results_file_holds_them():
+    """The README is no MkDocs page (GitHub shows it): it holds a copy of the best epoch's table,
+    which must be the results file's, with its commit and RSUM."""
+    result = check_results_file(REPO / "benchmarks" / "results" / "bench_demo.json")
+    readme = (REPO / "README.md").read_text()
+    best = result["tables"][1]
+    assert results.render_table(best) in readme, "README's demo table is not benchmarks/results/bench_demo.json's"
+    assert f"`{result['environment']['commit']}`" in readme and best["notes"][0] in readme
+
+
 def test_each_documented_table_is_the_rendering_of_its_results_file():
     for json_file in sorted((REPO / "benchmarks" / "results").glob("*.json")):
         check_results_file(json_file)
