@@ -143,46 +143,58 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     assert steps_logged_twice(client, run_id) == {}
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 150 MiB tmpfs: room for one checkpoint of the tiny model (~100 MiB), not two."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
+# Runs inside a user and mount namespace (``unshare -rm``): there, an unprivileged user may mount
+# a tmpfs, and the runs' Ray instances (started inside) write their checkpoints to it. Arguments:
+# the mount point, the report's path, the train command's arguments.
+FULL_DISK_SCENARIO = """
+import json, subprocess, sys
+from pathlib import Path
+from pairsim.train import checkpoints
+disk, report, *train = sys.argv[1:]
+def mount(options):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", disk], check=True)
+def run():
+    done = subprocess.run([sys.executable, "-c", "import sys; from pairsim.cli import main; sys.exit(main())",
+                           "train", *train], capture_output=True, text=True)
+    return {"code": done.returncode, "output": done.stdout + done.stderr}
+mount("size=150m")  # room for one checkpoint of the tiny model (~100 MiB), not two
+first = run()
+kept = [p for p in (Path(disk) / "full").glob("checkpoint_*") if p.is_dir() and not checkpoints.verify_checkpoint(p)]
+kept_epochs = [checkpoints.checkpoint_card(p).epoch for p in kept]
+mount("remount,size=600m")  # room made
+json.dump({"first": first, "kept_epochs": kept_epochs, "second": run()}, open(report, "w"))
+"""
 
 
-def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_the_run_resumes(ray_instance, tiny_dataset, tmp_path,
-                                                                                small_disk, capfd):
+def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_the_run_resumes(tiny_dataset, tmp_path):
     """Checkpoints go to a disk with room for one: epoch 2's save fails, the run stops FAILED
     naming the full disk, epoch 1's checkpoint still verifies; with room made (the tmpfs
-    grown), the re-run skips what the failed save left and resumes from epoch 1."""
+    grown), the re-run skips what the failed save left and resumes from epoch 1. Both runs are
+    `pairsim train` with its own Ray instance, in a user and mount namespace that holds the
+    tmpfs: no root needed where unprivileged user namespaces are allowed (most distributions)."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"no user namespace to mount a small disk in (unshare -rm: {probe.stderr.strip()})")
+    disk = tmp_path / "disk"
+    disk.mkdir()
     args = [*e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=full", "train.epochs=2", "data.test_split=null"),
-            f"ray.storage_path={small_disk}"]
-    with pytest.raises(Exception) as failed:
-        driver.fit(load_config(DEMO_CONFIG, args))
-    assert "No space left on device" in str(failed.value) + "".join(capfd.readouterr())
+            f"ray.storage_path={disk}"]
+    train = ["--config", str(DEMO_CONFIG), *(arg for override in args for arg in ("--set", override))]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own instance, inside the namespace
+    subprocess.run(["unshare", "-rm", "--propagation", "private", sys.executable, "-c", FULL_DISK_SCENARIO, str(disk),
+                    str(tmp_path / "report.json"), *train], env=env, check=True, timeout=1200)
+    report = json.loads((tmp_path / "report.json").read_text())
+    first, second = report["first"], report["second"]
+    assert first["code"] == 1 and "No space left on device" in first["output"], first["output"][-4000:]
+    assert report["kept_epochs"] == [1]
+    assert second["code"] == 0, second["output"][-4000:]
+    assert "resumed from checkpoint: epoch 2" in second["output"]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     run = client.get_run(tracking.find_run(uri, "full"))
-    assert run.info.status == "FAILED"
-    run_dir = small_disk / "full"
-    kept = [p for p in run_dir.glob("checkpoint_*") if p.is_dir() and not checkpoints.verify_checkpoint(p)]
-    assert len(kept) == 1 and checkpoints.checkpoint_card(kept[0]).epoch == 1
-
-    subprocess.run(["mount", "-o", "remount,size=600m", str(small_disk)], check=True)
-    capfd.readouterr()
-    result = driver.fit(load_config(DEMO_CONFIG, args))
-    out = "".join(capfd.readouterr())
-    assert "resumed from checkpoint: epoch 2" in out
-    assert result.mlflow_run_id == run.info.run_id and result.metrics["step"] == 2 * STEPS_PER_EPOCH
-    resumed = client.get_run(run.info.run_id)
-    assert resumed.info.status == "FINISHED" and tracking.ERROR_TAG not in resumed.data.tags
-    assert "No space left on device" in resumed.data.tags[f"{tracking.ERROR_TAG}.attempt1"]
+    assert run.info.status == "FINISHED" and tracking.ERROR_TAG not in run.data.tags
+    assert len(client.get_metric_history(run.info.run_id, "val/rsum")) == 2  # epoch 1's once, epoch 2's
+    assert "No space left on device" in run.data.tags[f"{tracking.ERROR_TAG}.attempt1"]
     assert steps_logged_twice(client, run.info.run_id) == {}
 
 
