@@ -50,9 +50,6 @@ class VerifiedParquetDatasource(FileBasedDatasource):
         self._checks = checks
         self._ledger_name = ledger_name
 
-    def get_name(self) -> str:
-        return "VerifiedParquet"
-
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         data = f.readall()
         expected = self._digests.get(PurePosixPath(path).name)
