@@ -1,9 +1,10 @@
-"""Benchmark: time and peak memory of blocked retrieval (chunked matmul + running top-k) vs dense.
+"""Benchmark: time and peak memory of blocked retrieval (one pass of cache-sized score blocks: running
+top-D and exact first ranks) against the dense computation and faiss's exact search.
 
     python benchmarks/bench_eval.py                       # N = 1k, 3k, 10k (both), 30k, 100k (blocked only)
     python benchmarks/bench_eval.py --sizes 1000 3000 --dim 512
     python benchmarks/bench_eval.py --regimes trained untrained --faiss --sizes 10000 --dim 512 --dense-max 0
-                                                      # untrained: an early checkpoint, every rank from the exact pass
+                                                      # untrained: an early checkpoint, first ranks counted past the top D
     git show 95fdf8c:platform/pairsim/eval/metrics.py > /tmp/metrics_95fdf8c.py
     python benchmarks/bench_eval.py --classes 3 --sizes 2000 4000 6000 --dim 64 --dense-max 2000 \
         --compare-with /tmp/metrics_95fdf8c.py --mmap-threshold 131072

@@ -143,10 +143,11 @@ def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed):
-    """With ks=(1,) and a key block of 11, most first positives come from the exact rank passes,
-    which must give the rank the float64 reference gives (score, then lowest index, the query's
-    own key left out) — on a tied grid and on untrained, structureless data, each query's rank
-    checked alone."""
+    """First ranks past the top D must be the ranks the float64 reference gives (score, then
+    lowest index, the query's own key left out): with class labels (D = R, key blocks of 11:
+    positives in more blocks than are kept), and with 5 positives each and D = 5 on a tied grid
+    and on untrained, structureless data, where most first ranks are counted past the top D —
+    each query's rank checked alone too."""
     items, labels, self_keys = class_problem(seed, 240)
     sim = items.double() @ items.double().T
     positives = (labels[:, None] == labels[None, :]) & (labels[:, None] >= 0)
@@ -165,6 +166,51 @@ def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed):
             alone = reference_metrics(sim[q:q + 1], (ql[q:q + 1, None] == kl[None, :]), (1,))
             assert blocked_retrieval_metrics(queries[q:q + 1], keys, ql[q:q + 1], kl, (1,), key_block=64)[
                 "median_rank"] == alone["median_rank"], q
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch):
+    """Six key blocks of 2048 and D = 6 take the narrowed path (groups of TOP_GROUP columns
+    whose maximum reaches the floor and the D-th group maximum); scores on a coarse grid tie by
+    the hundred, at the cut and across groups, so only the lower-index rule picks the top D.
+    Most queries' positives lie in few blocks (one-pass first ranks); ten queries have one
+    positive in each of the six blocks, more than the kept blocks (two-pass first ranks); ten
+    have none. The float64 reference agrees."""
+    g = torch.Generator().manual_seed(seed)
+    n_keys, key_block = 12288, 2048
+    queries = torch.randint(-2, 3, (60, 4), generator=g).float() / 2
+    keys = torch.randint(-2, 3, (n_keys, 4), generator=g).float() / 2
+    key_labels = torch.randint(0, 50_000, (n_keys,), generator=g)
+    spread = 50_000 + torch.arange(10)
+    for block in range(n_keys // key_block):
+        key_labels[block * key_block + 7 * torch.arange(10)] = spread
+    query_labels = torch.cat([key_labels[torch.arange(0, 12_000, 300)], spread, torch.full((10,), -1)])
+    sim = queries.double() @ keys.double().T
+    positives = (query_labels[:, None] == key_labels[None, :]) & (query_labels[:, None] >= 0)
+    assert 4 * max(5, int(positives.sum(1).max())) * metrics_module.TOP_GROUP <= key_block
+    called, two_pass = [], metrics_module._first_positive_ranks
+    monkeypatch.setattr(metrics_module, "_first_positive_ranks", lambda *a: called.append(len(a[0])) or two_pass(*a))
+    assert blocked_retrieval_metrics(queries, keys, query_labels, key_labels, (1, 5), query_block=32,
+                                     key_block=key_block) == pytest.approx(
+        reference_metrics(sim, positives, (1, 5)), abs=1e-9)
+    assert called
+
+
+def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch):
+    """With no positive pairs allowed (as with class labels in the thousands) no query block
+    keeps a score block, and each query without a positive in its top D (structureless data, 5
+    positives of 250 keys, D = 5: most queries) gets its exact rank from the two-pass fallback;
+    the metrics stay the reference's."""
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(50, 16, generator=g), torch.randn(250, 16, generator=g)
+    ql, kl = torch.arange(50), torch.arange(50).repeat_interleave(5)
+    reference = reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5))
+    called, two_pass = [], metrics_module._first_positive_ranks
+    monkeypatch.setattr(metrics_module, "_first_positive_ranks", lambda *a: called.append(len(a[0])) or two_pass(*a))
+    monkeypatch.setattr(metrics_module, "POSITIVE_PAIR_BUDGET", 0)
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, (1, 5), query_block=16, key_block=64) == \
+        pytest.approx(reference, abs=1e-9)
+    assert sum(called) > 25
 
 
 def test_blocked_summarises_each_query_block_within_the_top_depth_budget(monkeypatch):

@@ -33,6 +33,18 @@ TOP_DEPTH_BUDGET = 1 << 22
 index each (48 MB): with D large (class labels, R in the thousands)
 :func:`blocked_retrieval_metrics` takes fewer queries per block."""
 
+TOP_GROUP = 64
+"""Columns per group when a score block's top-D is narrowed to the groups that can hold it."""
+
+POSITIVE_PAIR_BUDGET = 1 << 20
+"""Most (query, key) positive pairs a query block reads its best positives from (16 MB of
+indices); with more (class labels) the first ranks of queries with none in their top D take two
+further passes."""
+
+KEPT_SCORE_BLOCKS = 4
+"""Most score blocks (query block × key block, 16 MB at the defaults) a query block keeps while
+it finds its best positives: the key blocks that hold them, scored first."""
+
 
 @dataclass(frozen=True)
 class QueryValues:
@@ -109,12 +121,44 @@ def _ranked(scores: torch.Tensor, indices: torch.Tensor, depth: int) -> tuple[to
     return torch.gather(scores, 1, order), torch.gather(indices, 1, order)
 
 
-def _chunk_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, self_keys: torch.Tensor | None):
-    """Scores against keys[start:start+len(keys)], with each query's own key at −inf."""
-    scores = queries @ keys.T
+def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every column of a score block that can enter its row's running top-``depth``, whose
+    ``depth``-th score so far is ``floor`` (−inf while it holds fewer): (scores, columns), at most
+    ``depth`` per row, −inf and column ``width`` where a row has fewer.
+
+    Of each row's groups of :data:`TOP_GROUP` consecutive columns only those whose maximum
+    reaches both the floor and the row's ``depth``-th largest group maximum can hold such a
+    column (any other lies below ``depth`` others: those in the top so far, or one in each of
+    those groups), so the exact top is taken over those groups alone — a few per row once the
+    floor has risen."""
+    n_rows, width = scores.shape
+    if width % TOP_GROUP or 4 * depth * TOP_GROUP > width:
+        return _top_by_score(scores, depth)
+    groups = scores.view(n_rows, width // TOP_GROUP, TOP_GROUP)
+    maxima = groups.amax(2)
+    n_groups = maxima.shape[1]
+    chosen = maxima >= torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)[:, None]
+    n_chosen = int(chosen.sum(1).max())  # ≤ depth, more only where group maxima tie at the cut
+    ids = torch.where(chosen, torch.arange(n_groups), n_groups).sort(1).values[:, :n_chosen]  # ascending, padding last
+    padding = (ids == n_groups)[:, :, None]
+    candidates = torch.gather(groups, 1, ids.clamp(max=n_groups - 1)[:, :, None].expand(-1, -1, TOP_GROUP))
+    candidates = candidates.masked_fill(padding, -torch.inf).reshape(n_rows, -1)
+    columns = (ids[:, :, None] * TOP_GROUP + torch.arange(TOP_GROUP)).masked_fill(padding, width).reshape(n_rows, -1)
+    if candidates.shape[1] <= depth:
+        return candidates, columns
+    values, positions = _top_by_score(candidates, depth)
+    return values, torch.gather(columns, 1, positions)
+
+
+def _score_block(queries: torch.Tensor, keys: torch.Tensor, start: int, width: int,
+                 self_keys: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """Scores against keys[start:start+width], computed into ``out``'s memory (one cache-sized
+    buffer reused block after block), with each query's own key at −inf."""
+    scores = out.view(-1)[:len(queries) * width].view(len(queries), width)
+    torch.mm(queries, keys[start:start + width].T, out=scores)
     if self_keys is not None:
         local = self_keys - start
-        rows = ((local >= 0) & (local < len(keys))).nonzero().squeeze(1)
+        rows = ((local >= 0) & (local < width)).nonzero().squeeze(1)
         scores[rows, local[rows]] = -torch.inf
     return scores
 
@@ -122,55 +166,135 @@ def _chunk_scores(queries: torch.Tensor, keys: torch.Tensor, start: int, self_ke
 def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, key_block) -> torch.Tensor:
     """Exact 1-based rank of each query's first positive, in two passes over the keys: find the
     best positive (score, then lowest index), then count the keys ranked above it."""
+    buffer = torch.empty(len(queries), min(key_block, len(keys)))
     best_score = torch.full((len(queries),), -torch.inf)
     best_index = torch.full((len(queries),), len(keys), dtype=torch.long)
     for start in range(0, len(keys), key_block):
-        scores = _chunk_scores(queries, keys[start:start + key_block], start, self_keys)
-        positive = (key_labels[None, start:start + key_block] == query_labels[:, None]) & ~torch.isinf(scores)
+        scores = _score_block(queries, keys, start, min(key_block, len(keys) - start), self_keys, buffer)
+        positive = (key_labels[None, start:start + key_block] == query_labels[:, None]) & (scores > -torch.inf)
         value, index = torch.where(positive, scores, -torch.inf).max(1)
         better = positive.any(1) & (value > best_score)
         best_score, best_index = torch.where(better, value, best_score), torch.where(better, index + start, best_index)
     above = torch.zeros(len(queries), dtype=torch.long)
     for start in range(0, len(keys), key_block):
-        scores = _chunk_scores(queries, keys[start:start + key_block], start, self_keys)
-        index = torch.arange(start, start + scores.shape[1])
-        above += ((scores > best_score[:, None]) |
-                  ((scores == best_score[:, None]) & (index[None, :] < best_index[:, None]))).sum(1)
+        scores = _score_block(queries, keys, start, min(key_block, len(keys) - start), self_keys, buffer)
+        above += _count_above(scores, start, best_score, best_index)
     return above + 1
 
 
+def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, best_index: torch.Tensor) -> torch.Tensor:
+    """Per row, the keys of this block (keys ``start`` on) ranked above the row's best positive
+    (``best_score`` at ``best_index``): a higher score, or the same score at a lower index.
+
+    One comparison per score: against the next float down in blocks wholly before the positive
+    (score ≥ it), against its score after it; the positive's own block adds the ties before it.
+    ``scores`` is used up: a score exceeds the threshold exactly when their difference is > 0
+    (subnormals included), so the block becomes that difference's sign, clamped to {0, 1} and
+    summed — in place, cheaper on a cached block than a bool count."""
+    n_rows, width = scores.shape
+    above = torch.zeros(n_rows, dtype=torch.long)
+    inside = ((best_index >= start) & (best_index < start + width)).nonzero().squeeze(1)
+    if len(inside):
+        before = torch.arange(width)[None, :] < (best_index[inside] - start)[:, None]
+        above[inside] = ((scores[inside] == best_score[inside, None]) & before).sum(1)
+    threshold = torch.where(best_index >= start + width, torch.nextafter(best_score, torch.tensor(-torch.inf)),
+                            best_score)
+    return above + scores.sub_(threshold[:, None]).sign_().clamp_(min=0).sum(1).long()
+
+
+def _positive_pairs(query_labels: torch.Tensor, self_keys: torch.Tensor | None, keys_by_label: torch.Tensor,
+                    sorted_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query rows, key indices) of every positive pair of a query block, its own key left out —
+    none when there are more than :data:`POSITIVE_PAIR_BUDGET` (class labels, R in the
+    thousands). Keys come from
+    ``keys_by_label`` (key indices sorted by label; ``sorted_labels`` their labels)."""
+    first = torch.searchsorted(sorted_labels, query_labels)
+    count = torch.where(query_labels >= 0, torch.searchsorted(sorted_labels, query_labels, right=True) - first, 0)
+    total = int(count.sum())
+    if total > POSITIVE_PAIR_BUDGET:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(query_labels)), count)
+    offset = torch.arange(total) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
+    keys = keys_by_label[first[rows] + offset]
+    if self_keys is None:
+        return rows, keys
+    own = keys == self_keys[rows]
+    return rows[~own], keys[~own]
+
+
 def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
-                        key_labels: torch.Tensor, n_positive: torch.Tensor, self_keys: torch.Tensor | None,
-                        depth: int, key_block: int) -> QueryValues:
-    """:class:`QueryValues` of one block of queries: its running top-``depth`` over the keys,
-    ``key_block`` at a time, then the exact first-positive rank of queries with none in it."""
-    best = torch.empty(len(queries), 0), torch.empty(len(queries), 0, dtype=torch.long)
-    for k_start in range(0, len(keys), key_block):
-        scores = _chunk_scores(queries, keys[k_start:k_start + key_block], k_start, self_keys)
-        values, indices = _top_by_score(scores, min(depth, scores.shape[1]))
-        best = _ranked(torch.cat([best[0], values], 1), torch.cat([best[1], indices + k_start], 1), depth)
-    hits = (key_labels[best[1]] == query_labels[:, None]) & (query_labels[:, None] >= 0)
+                        key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
+                        n_positive: torch.Tensor, self_keys: torch.Tensor | None, depth: int,
+                        key_block: int) -> QueryValues:
+    """:class:`QueryValues` of one block of queries in one pass over the keys.
+
+    The key blocks that hold the queries' positive pairs are scored first and kept (at most
+    :data:`KEPT_SCORE_BLOCKS`): each query's best positive (score, then lowest index) is read
+    from them. Then every block, kept ones first, updates the running top-``depth`` and counts
+    the keys ranked above the best positive, so a query with no positive in its top D has its
+    exact first rank from the same scores. Queries with a positive outside the kept blocks
+    (class labels: rarely without one in their top D, as D ≥ R) get theirs from
+    :func:`_first_positive_ranks` when they need it."""
+    n_queries, n_keys = len(queries), len(keys)
+    widths = {start: min(key_block, n_keys - start) for start in range(0, n_keys, key_block)}
+    pairs = _positive_pairs(query_labels, self_keys, keys_by_label, sorted_labels)
+    holding = (torch.unique(pairs[1] // key_block) * key_block).tolist()
+    kept = {start: _score_block(queries, keys, start, widths[start], self_keys, torch.empty(n_queries, widths[start]))
+            for start in holding[:KEPT_SCORE_BLOCKS]}
+    rows, indices = pairs
+    block_start = indices // key_block * key_block
+    in_kept = torch.isin(block_start, torch.tensor(list(kept), dtype=torch.long))
+    rows, indices, block_start = rows[in_kept], indices[in_kept], block_start[in_kept]
+    values = torch.empty(len(rows))
+    for start, scores in kept.items():
+        in_block = block_start == start
+        values[in_block] = scores[rows[in_block], indices[in_block] - start]
+    best_score = torch.full((n_queries,), -torch.inf).scatter_reduce(0, rows, values, "amax")
+    best_index = torch.full((n_queries,), n_keys).scatter_reduce(  # ties: the lowest index
+        0, rows, torch.where(values == best_score[rows], indices, n_keys), "amin")
+    known = (torch.bincount(rows, minlength=n_queries) == n_positive) & (n_positive > 0)
+    best_score, best_index = torch.where(known, best_score, torch.inf), torch.where(known, best_index, n_keys)
+    top_score = torch.full((n_queries, depth), -torch.inf)
+    top_index = torch.full((n_queries, depth), n_keys, dtype=torch.long)
+    above = torch.zeros(n_queries, dtype=torch.long)
+    buffer = torch.empty(n_queries, min(key_block, n_keys))
+    for start in [*kept, *(start for start in widths if start not in kept)]:
+        scores = kept.pop(start) if start in kept else _score_block(queries, keys, start, widths[start], self_keys,
+                                                                      buffer)
+        values, columns = _block_candidates(scores, min(depth, scores.shape[1]), top_score[:, -1])
+        if columns.shape[1]:
+            indices = torch.where(columns < scores.shape[1], columns + start, n_keys)
+            top_score, top_index = _ranked(torch.cat([top_score, values], 1), torch.cat([top_index, indices], 1),
+                                           depth)
+        above += _count_above(scores, start, best_score, best_index)  # uses the scores up
+    hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
     first_rank = hits.int().argmax(1) + 1
-    missing = ((n_positive > 0) & ~hits.any(1)).nonzero().squeeze(1)
-    if len(missing):
-        first_rank[missing] = _first_positive_ranks(queries[missing], keys, query_labels[missing], key_labels,
-                                                    None if self_keys is None else self_keys[missing], key_block)
+    missing = (n_positive > 0) & ~hits.any(1)
+    first_rank = torch.where(missing & known, above + 1, first_rank)
+    unknown = (missing & ~known).nonzero().squeeze(1)
+    if len(unknown):
+        first_rank[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
+                                                    None if self_keys is None else self_keys[unknown], key_block)
     return query_values(hits, n_positive, first_rank)
 
 
 def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_labels, key_labels,
                               ks: Sequence[int] = (1, 5, 10), self_keys=None, query_block: int = 1024,
-                              key_block: int = 65536) -> Metrics:
-    """:func:`retrieval_metrics` of ``queries @ keys.T`` without the full [Q, K] matrix.
+                              key_block: int = 4096) -> Metrics:
+    """:func:`retrieval_metrics` of ``queries @ keys.T`` without the full [Q, K] matrix, in one
+    pass over the keys.
 
     Positives are keys whose label equals the query's (labels < 0 match nothing);
     ``self_keys[q]`` is the index of query q's own key, left out of its ranking (−1: none).
-    Each block of q queries is scored against ``key_block`` keys at a time (chunked matmul),
-    keeping a running top-D, D = max(max(ks), largest R), and is summarised
-    (:func:`query_values`) before the next block starts; queries with no positive in their top D
-    get their first positive's exact rank from two further passes over the keys. With
-    q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block + D)) for the block
-    plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
+    Each block of q queries is scored against ``key_block`` keys at a time into one reused,
+    cache-sized buffer (q × key_block floats, as faiss's exact search does). The key blocks that
+    hold the block's positives are scored first, which gives every query its best positive;
+    every block then updates a running top-D, D = max(max(ks), largest R), and counts the keys
+    ranked above the best positive, so a query with no positive in its top D (an untrained
+    model's) has its exact first rank from the same scores, not from more passes. A query block
+    is summarised (:func:`query_values`) before the next starts. With
+    q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block·KEPT_SCORE_BLOCKS + D))
+    for the block plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
     """
     queries, keys = queries.float(), keys.float()
     query_labels, key_labels = torch.as_tensor(query_labels, dtype=torch.long), torch.as_tensor(key_labels,
@@ -184,12 +308,15 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         has_self = self_keys >= 0
         own_label = torch.where(has_self, key_labels[self_keys.clamp(min=0)], -1)
         n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
+    keys_by_label = torch.argsort(key_labels, stable=True)
+    sorted_labels = key_labels[keys_by_label]
     rankable = len(keys) - (0 if self_keys is None else 1)
     depth = min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable)
     query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
     parts = []
     for start in range(0, len(queries), query_block):
         block = slice(start, start + query_block)
-        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, n_positive[block],
+        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, keys_by_label,
+                                         sorted_labels, n_positive[block],
                                          None if self_keys is None else self_keys[block], depth, key_block))
     return metrics_from_query_values(parts, ks)
