@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 # benchmark → (arguments of the documented run, arguments of the quick run; None: not in it)
 PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "losses": (["--repeats", "11"], ["--sizes", "128", "--repeats", "2"]),  # 11: one noisy pass moves no median
-    "eval": (["--sizes", "1000", "3000", "10000", "--dim", "512", "--dense-max", "3000", "--faiss",
+    "eval": (["--sizes", "1000", "3000", "10000", "100000", "--dim", "512", "--dense-max", "3000", "--faiss",
               "--regimes", "trained", "untrained"],
              ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
     "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256", "--log-every", "1"]),
