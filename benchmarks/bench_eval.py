@@ -55,7 +55,7 @@ def _status_mb(field: str) -> float:
 def problem(n: int, dim: int, classes: int | None = None, seed: int = 0, untrained: bool = False):
     """(queries, keys, query labels, key labels): labels are the image index, or its class.
     ``untrained``: queries unrelated to their captions (random unit vectors), as an early
-    checkpoint's are: almost no positive in any top-D, every first rank from the exact pass."""
+    checkpoint's are: almost no positive in any top-D, every first rank counted past it."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.nn.functional.normalize(torch.randn(n * CAPTIONS, dim, generator=g), dim=1)
     image_labels = torch.arange(n) if classes is None else torch.arange(n) % classes
