@@ -37,13 +37,15 @@ def write_sweep(path: Path, data: Path, storage: Path, tracking_uri: str, space:
 
 @pytest.fixture(scope="module")
 def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
-    """Four trials against a real `mlflow server`: a hinge margin of 0.2 or 1.5 (non-finite: fails)
-    × a learning rate of 2e-3 or 1e-7 (learns nothing: ASHA stops it after epoch 1)."""
+    """Three trials against a real `mlflow server`, a union of two grids: a hinge margin of 0.2
+    with a learning rate of 2e-3 or 1e-7 (learns nothing: ASHA stops it after epoch 1), and a
+    margin of 1.5 (non-finite: fails) at 2e-3."""
     from pairsim.tune.sweep import run_sweep
 
     root = tmp_path_factory.mktemp("asha")
     path = write_sweep(root / "asha.yaml", tiny_dataset, root / "ray", mlflow_server,
-                       {"loss.cos_margin": {"grid": [0.2, 1.5]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
+                       [{"loss.cos_margin": {"grid": [0.2]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
+                        {"loss.cos_margin": {"grid": [1.5]}, "optim.lr": {"grid": [2.0e-3]}}],
                        {"search": "grid", "num_samples": 1, "scheduler": "asha",
                         "asha": {"grace_period": 1, "reduction_factor": 2}, "max_concurrent_trials": 1})
     sweep = load_sweep(path, ["loss.base=cos_hinge_unstable"])
@@ -53,15 +55,14 @@ def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
 def test_asha_stops_the_weak_trial_and_the_failing_ones_do_not_stop_the_sweep(asha_sweep):
     sweep, outcome = asha_sweep
     by_point = {(r.point["loss.cos_margin"], r.point["optim.lr"]): r for r in outcome.rows}
-    assert len(by_point) == 4
+    assert len(by_point) == 3
     assert by_point[(0.2, 2.0e-3)].status == "finished" and by_point[(0.2, 2.0e-3)].epochs == 2
     weak = by_point[(0.2, 1.0e-7)]
     assert weak.status == "stopped early" and weak.epochs == 1
     assert weak.metric < by_point[(0.2, 2.0e-3)].metric
-    for lr in (2.0e-3, 1.0e-7):
-        failed = by_point[(1.5, lr)]
-        assert failed.status == "failed" and failed.metric is None
-        assert "non-finite" in failed.error, failed.error
+    failed = by_point[(1.5, 2.0e-3)]
+    assert failed.status == "failed" and failed.metric is None
+    assert "non-finite" in failed.error, failed.error
     assert outcome.best is by_point[(0.2, 2.0e-3)]
 
 
@@ -71,14 +72,14 @@ def test_the_parent_run_has_one_child_per_trial_with_its_params_status_and_curve
     parent = client.get_run(outcome.parent_run_id)
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["pairsim.search"] == "grid" and parent.data.tags["pairsim.scheduler"] == "asha"
-    assert parent.data.params["space.loss.cos_margin"] == "grid[0.2, 1.5]"
-    assert parent.data.metrics["trials/stopped_early"] == 1 and parent.data.metrics["trials/failed"] == 2
+    assert parent.data.params["space.1.loss.cos_margin"] == "grid[1.5]"
+    assert parent.data.metrics["trials/stopped_early"] == 1 and parent.data.metrics["trials/failed"] == 1
     artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
     assert {"results.csv", "best.yaml", *results.PLOTS} <= artifacts, artifacts
     assert sorted(i.tags[0].value for i in parent.inputs.dataset_inputs) == ["training", "validation"]
 
     children = tracking.child_runs(mlflow_server, outcome.parent_run_id)
-    assert len(children) == 4 and len({c.data.tags[tracking.RUN_NAME_TAG] for c in children}) == 4
+    assert len(children) == 3 and len({c.data.tags[tracking.RUN_NAME_TAG] for c in children}) == 3
     expected = {"finished": "FINISHED", "stopped early": "KILLED", "failed": "FAILED"}
     for row in outcome.rows:
         child = client.get_run(row.run_id)
