@@ -206,8 +206,8 @@ def _positive_pairs(query_labels: torch.Tensor, self_keys: torch.Tensor | None, 
                     sorted_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(query rows, key indices) of every positive pair of a query block, its own key left out —
     none when there are more than :data:`POSITIVE_PAIR_BUDGET` (class labels, R in the
-    thousands). Keys come from
-    ``keys_by_label`` (key indices sorted by label; ``sorted_labels`` their labels)."""
+    thousands). Keys come from ``keys_by_label`` (key indices sorted by label; ``sorted_labels``
+    their labels)."""
     first = torch.searchsorted(sorted_labels, query_labels)
     count = torch.where(query_labels >= 0, torch.searchsorted(sorted_labels, query_labels, right=True) - first, 0)
     total = int(count.sum())
