@@ -72,6 +72,8 @@ def test_ties_break_towards_the_lower_key_index():
 def test_no_query_with_a_positive_is_an_error():
     with pytest.raises(ValueError, match="no query has a positive"):
         retrieval_metrics(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="no query has a positive"):  # one item, its own key left out: none to rank
+        blocked_retrieval_metrics(torch.ones(1, 3), torch.ones(1, 3), [0], [0], self_keys=[0])
 
 
 def tied_problem(seed, n_queries, n_keys, n_labels, dim=4):

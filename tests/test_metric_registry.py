@@ -62,7 +62,8 @@ def test_select_metric_follows_ks():
 
 
 @pytest.mark.parametrize("labels,facts", [([0, 0, 1], suite.DataFacts(True, True)),
-                                          ([-1, -1, -1], suite.DataFacts(False, True))])
+                                          ([-1, -1, -1], suite.DataFacts(False, True)),
+                                          ([0, 1, 2], suite.DataFacts(False, True))])  # no image shares a class
 def test_evaluate_split_reports_exactly_the_registered_names_for_its_data(labels, facts):
     split = tiny_split()
     split.labels = np.array(labels)

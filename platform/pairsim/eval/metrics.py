@@ -311,7 +311,7 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     keys_by_label = torch.argsort(key_labels, stable=True)
     sorted_labels = key_labels[keys_by_label]
     rankable = len(keys) - (0 if self_keys is None else 1)
-    depth = min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable)
+    depth = max(1, min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable))
     query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
     parts = []
     for start in range(0, len(queries), query_block):

@@ -76,9 +76,10 @@ class SplitEmbeddings:
 
 @dataclass(frozen=True)
 class DataFacts:
-    """What a split holds that decides which metrics it can give: ``has_labels``, some image
-    with a class label (≥ 0: image→image); ``has_multi_caption``, some image with two captions
-    or more (text→text and the modality grid)."""
+    """What a split holds that decides which metrics it can give: ``has_labels``, some class
+    label (≥ 0) that two images or more share (image→image: an image alone in its class has no
+    positive); ``has_multi_caption``, some image with two captions or more (text→text and the
+    modality grid)."""
 
     has_labels: bool = True
     has_multi_caption: bool = True
@@ -86,7 +87,8 @@ class DataFacts:
     @classmethod
     def from_columns(cls, labels: np.ndarray, captions_per_image: np.ndarray) -> DataFacts:
         """From the images' ``label`` column and caption counts (e.g. read from the shards)."""
-        return cls(has_labels=bool((np.asarray(labels) >= 0).any()),
+        labels = np.asarray(labels)
+        return cls(has_labels=bool((np.unique(labels[labels >= 0], return_counts=True)[1] >= 2).any()),
                    has_multi_caption=bool((np.asarray(captions_per_image) >= 2).any()))
 
     @classmethod
@@ -126,8 +128,8 @@ def crossmodal_metrics(emb: SplitEmbeddings, ks: Sequence[int], **blocks) -> Met
 def unimodal_metrics(emb: SplitEmbeddings, ks: Sequence[int], facts: DataFacts | None = None,
                      **blocks) -> Metrics:
     """Text→text (positives: the other captions of the same image) when some image has two
-    captions, and image→image (positives: the other images of the same class) when the split has
-    class labels, each query's own key left out; with the uni-modal heads' embeddings when the
+    captions, and image→image (positives: the other images of the same class) when two images
+    share a class, each query's own key left out; with the uni-modal heads' embeddings when the
     model has them."""
     facts = facts or DataFacts.of(emb)
     image = emb.image if emb.image_unimodal is None else emb.image_unimodal
@@ -233,7 +235,7 @@ class CrossModalFamily(MetricFamily):
 
 @METRICS.register("unimodal")
 class UniModalFamily(MetricFamily):
-    """Text→text (needs images with two captions) and image→image (needs class labels).
+    """Text→text (needs images with two captions) and image→image (needs a class two images share).
 
     :func:`unimodal_metrics`."""
 
