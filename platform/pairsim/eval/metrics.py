@@ -254,6 +254,7 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
         0, rows, torch.where(values == best_score[rows], indices, n_keys), "amin")
     known = (torch.bincount(rows, minlength=n_queries) == n_positive) & (n_positive > 0)
     best_score, best_index = torch.where(known, best_score, torch.inf), torch.where(known, best_index, n_keys)
+    counting = bool(known.any())
     top_score = torch.full((n_queries, depth), -torch.inf)
     top_index = torch.full((n_queries, depth), n_keys, dtype=torch.long)
     above = torch.zeros(n_queries, dtype=torch.long)
@@ -266,7 +267,8 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
             indices = torch.where(columns < scores.shape[1], columns + start, n_keys)
             top_score, top_index = _ranked(torch.cat([top_score, values], 1), torch.cat([top_index, indices], 1),
                                            depth)
-        above += _count_above(scores, start, best_score, best_index)  # uses the scores up
+        if counting:  # else no query of the block has a known best positive (class labels): nothing to count
+            above += _count_above(scores, start, best_score, best_index)  # uses the scores up
     hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
     first_rank = hits.int().argmax(1) + 1
     missing = (n_positive > 0) & ~hits.any(1)
