@@ -13,6 +13,7 @@ from pairsim.config import load_config
 from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Temperature, TripletHN, Unified,
                             build_objective)
 from pairsim.losses import functional as L
+from toy_loss import CosineHinge
 
 # ----------------------------------------------------------------------- naive float64 references
 
@@ -272,6 +273,44 @@ def test_module_losses_equal_the_functional_ones():
     assert usa.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
+@pytest.mark.parametrize("base", [InfoNCE(Temperature(0.05, 0.01, 0.1).double()), Unified(0.2, 50.0), TripletHN(0.2),
+                                  CosineHinge(0.3)], ids=["infonce", "unified", "triplet_hn", "cos_hinge"])
+def test_square_fast_path_equals_the_masked_general_path(base):
+    """One positive per row: the square form (one matrix, indexed targets) against the row
+    functions given an all-False ignore mask and, where they take a target mask, the targets as
+    a bool identity matrix (the masked general path), loss and gradient (float64)."""
+    sim = (unit(12, 16, 23) @ unit(12, 16, 24).T).requires_grad_(True)
+    eye, nothing = torch.eye(12, dtype=torch.bool), torch.zeros(12, 12, dtype=torch.bool)
+    fast = base.square(sim)
+    (fast_grad,) = torch.autograd.grad(fast, sim)
+    targets = torch.arange(12) if isinstance(base, CosineHinge) else eye  # the toy takes column indices only
+    general = base.rows(sim, targets, nothing).mean() + base.rows(sim.T, targets, nothing).mean()
+    (general_grad,) = torch.autograd.grad(general, sim)
+    # Unified's masked path: softplus, linear past 20 (off by up to e⁻²⁰ ≈ 2e-9)
+    assert fast.item() == pytest.approx(general.item(), rel=1e-10)
+    torch.testing.assert_close(fast_grad, general_grad, rtol=1e-8, atol=1e-12)
+    assert base(sim, eye).item() == pytest.approx(fast.item(), rel=1e-12)  # identity positives: the fast path
+
+
+def test_image_text_without_shared_images_is_the_square_loss():
+    """No group ids, or all distinct: one matrix product, both directions, against the naive formulas."""
+    f, tau = features(12, 55), Temperature(0.05, 0.01, 0.1).double()
+    sim, eye = f["image"] @ f["text"].T, torch.eye(12, dtype=torch.bool)
+    for base, expected in [(InfoNCE(tau), naive_infonce(sim, 1 / tau().item(), eye)),
+                           (Unified(0.2, 50.0), naive_unified(sim, 0.2, 50.0, eye)),
+                           (TripletHN(0.2), naive_triplet(sim, 0.2, eye))]:
+        for groups in (None, torch.arange(12)):
+            got = ImageTextLoss(base)(image=f["image"], text=f["text"], group_ids=groups)
+            assert got.item() == pytest.approx(expected, rel=1e-10)
+
+
+def test_triplet_hn_of_one_pair_is_zero():
+    sim = torch.tensor([[0.3]], dtype=torch.float64, requires_grad=True)
+    loss = L.triplet_hn_loss(sim, 0.2)
+    loss.backward()
+    assert loss.item() == 0.0 and sim.grad.item() == 0.0
+
+
 def test_temperature_is_clamped_where_used():
     tau = Temperature(0.05, 0.01, 0.1)
     with torch.no_grad():
@@ -323,6 +362,8 @@ MODULES = {
     "gcl_cusa_infonce": ["loss.structure=gcl", "loss.base=infonce",
                          "loss.cusa={image_teacher: {kind: initial_student}}"],
     "cusa_paper": CUSA_PAPER,
+    "image_text_infonce_no_groups": ["loss.base=infonce"],
+    "image_text_triplet_hn_no_groups": ["loss.base=triplet_hn"],
 }
 B = 12
 
@@ -335,7 +376,8 @@ def run_case(name, local_loss, feats, rank=0, world=1):
     cfg = load_config(None, MODULES[name] + [f"loss.local_loss={local_loss}", *temperature])
     objective = build_objective(cfg.loss, rank, world).double()
     b = B // world
-    mine = {k: v[rank * b:(rank + 1) * b].clone().requires_grad_(k != "group_ids") for k, v in feats.items()}
+    mine = {k: v[rank * b:(rank + 1) * b].clone().requires_grad_(k != "group_ids") for k, v in feats.items()
+            if not (k == "group_ids" and name.endswith("_no_groups"))}  # the square fast path
     out = objective(**mine)
     out["loss"].backward()  # what the data-parallel engine does on each rank
     grads = torch.cat([mine[k].grad for k in sorted(mine) if k != "group_ids" and mine[k].grad is not None], dim=1)

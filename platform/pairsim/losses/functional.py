@@ -11,6 +11,11 @@ Every loss is built on a *row* function over a similarity block ``sim`` [R, C] w
 ``ignore`` (an optional bool mask [R, C] of keys that are neither positives nor negatives,
 left out of every sum). Rows are what the distributed
 modules compute when each worker scores only its own rows (``local_loss``).
+
+The common case, a square matrix whose only positives are its diagonal (no two pairs of one
+image in the batch, every row scored), has a *square* function per loss: both directions from
+the one matrix (no second matrix product), targets and hardest negatives picked by index
+rather than through B×B masks.
 """
 
 from __future__ import annotations
@@ -126,6 +131,57 @@ def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
     return _mean_per_row((hardest[rows] - positive + margin).clamp(min=0), rows, targets)
 
 
+# -------------------------------------------------------------- square, one positive per row
+
+
+def infonce_square(sim: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """:func:`infonce_loss` of a square ``sim`` [B, B] whose only positives are its diagonal:
+    CLIP's loss (both directions summed) with logits z = scale · sim,
+
+        mean_i −log softmax_j(z_ij)_i + mean_j −log softmax_i(z_ij)_j,
+
+    open_clip's two fused cross-entropies over z and zᵀ (a softmax along the columns of z in
+    place runs several times slower on CUDA than over a transposed copy)."""
+    logits = fp32(sim) * scale
+    labels = torch.arange(logits.shape[0], device=logits.device)
+    return F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)
+
+
+def _hardest_off_diagonal(sim: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of the largest off-diagonal entry of each row, and row of that of each column,
+    of a square ``sim``; [B] each, without gradient. Both are row-wise argmaxes of a masked
+    copy, the columns' of its transposed copy: an argmax over dim 0 holds 8 B×B on CUDA."""
+    with torch.no_grad():
+        negatives = sim.clone()
+        negatives.diagonal().fill_(_lowest(negatives))
+        return negatives.argmax(dim=1), negatives.T.contiguous().argmax(dim=1)
+
+
+def triplet_hn_square(sim: torch.Tensor, margin: float) -> torch.Tensor:
+    """:func:`triplet_hn_loss` of a square ``sim`` [B, B] whose only positives are its diagonal:
+
+        mean_i [max_{j≠i} s_ij − s_ii + m]_+ + [max_{j≠i} s_ji − s_ii + m]_+
+
+    The anchors s_ii and both hardest negatives are read with one index into ``sim`` (3B
+    entries), so the backward writes 3B entries of one zero gradient. One pair has no negative:
+    a zero loss."""
+    sim = fp32(sim)
+    b = sim.shape[0]
+    if b < 2:
+        return sim.sum() * 0.0
+    i = torch.arange(b, device=sim.device)
+    in_row, in_column = _hardest_off_diagonal(sim)
+    positive, i2t, t2i = sim.take(torch.stack([i * (b + 1), i * b + in_row, in_column * b + i]))  # [B] each
+    return ((i2t - positive + margin).clamp(min=0) + (t2i - positive + margin).clamp(min=0)).mean()
+
+
+def rows_square(rows_fn, sim: torch.Tensor) -> torch.Tensor:
+    """The square form of any row loss: mean of ``rows_fn(sim, anchors, None)`` plus the same over
+    ``sim.T``, each row's one target on the diagonal (what losses without a fused one use)."""
+    anchors = torch.arange(sim.shape[0], device=sim.device)
+    return rows_fn(sim, anchors, None).mean() + rows_fn(sim.T, anchors, None).mean()
+
+
 class SoftLabels(NamedTuple):
     """A teacher's soft labels Q (rows sum to 1) and Σ_j Q_j log Q_j per row, without gradient."""
 
@@ -150,12 +206,21 @@ def kl_rows(teacher: SoftLabels, student_logits: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- image ↔ text
 
 
-def both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool) -> torch.Tensor:
+def one_target_per_row(targets: torch.Tensor, ignore: torch.Tensor | None) -> bool:
+    """Whether :func:`split_positives` found only the anchors: one target per row, nothing ignored."""
+    return targets.dtype != torch.bool and ignore is None
+
+
+def both_directions(rows_fn, sim: torch.Tensor, positives: torch.Tensor | None, anchors_only: bool,
+                    square_fn=None) -> torch.Tensor:
     """mean over rows of ``rows_fn(sim, targets, ignore)`` plus the same over ``sim.T`` (text→image),
-    each row's anchor on the diagonal and further ``positives`` split as :func:`split_positives` does."""
+    each row's anchor on the diagonal and further ``positives`` split as :func:`split_positives` does.
+    Without further positives: ``square_fn(sim)``, both directions at once (default :func:`rows_square`)."""
     anchors = torch.arange(sim.shape[0], device=sim.device)
     i2t = split_positives(anchors, positives, anchors_only)
-    t2i = split_positives(anchors, None if positives is None else positives.T, anchors_only)
+    if one_target_per_row(*i2t):
+        return square_fn(sim) if square_fn is not None else rows_square(rows_fn, sim)
+    t2i = split_positives(anchors, positives.T, anchors_only)
     return rows_fn(sim, *i2t).mean() + rows_fn(sim.T, *t2i).mean()
 
 
@@ -167,7 +232,8 @@ def infonce_loss(sim: torch.Tensor, scale: torch.Tensor | float,
     P(i) = {j : positives[i, j]} ∪ {i}. Without positives this is CLIP's loss with logit scale
     ``scale`` (= 1/τ), summed rather than averaged over the two directions.
     """
-    return both_directions(lambda s, t, ig: infonce_rows(s, scale, t, ig), sim, positives, anchors_only=False)
+    return both_directions(lambda s, t, ig: infonce_rows(s, scale, t, ig), sim, positives, anchors_only=False,
+                           square_fn=lambda s: infonce_square(s, scale))
 
 
 def unified_loss(sim: torch.Tensor, margin: float, gamma: float,
@@ -188,8 +254,8 @@ def triplet_hn_loss(sim: torch.Tensor, margin: float, positives: torch.Tensor | 
 
     (1/B) Σ_i [max_{j∉P(i)} s_ij − s_ii + m]_+ + [max_{j∉P'(i)} s_ji − s_ii + m]_+
     """
-    return both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives,
-                            anchors_only=True)
+    return both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives, anchors_only=True,
+                           square_fn=lambda s: triplet_hn_square(s, margin))
 
 
 # ---------------------------------------------------------------------------------------- GCL

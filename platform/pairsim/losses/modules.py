@@ -42,6 +42,9 @@ class BaseLoss(nn.Module):
     owns, written flat under ``loss``), ``from_params`` and ``rows(sim, targets, ignore)`` →
     per-row losses (see :mod:`pairsim.losses.functional`); ``anchors_only``: the loss needs one
     anchor positive per row (margin losses) rather than a target distribution over positives.
+    ``square(sim)``, the common case of one positive per row on the diagonal of a square matrix,
+    both directions summed, defaults to ``rows`` over ``sim`` and ``sim.T``; a subclass may
+    override it with a fused form that must equal that.
     """
 
     anchors_only = False
@@ -56,10 +59,14 @@ class BaseLoss(nn.Module):
     def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def square(self, sim: torch.Tensor) -> torch.Tensor:
+        """The loss of a [B, B] matrix whose only positives are its diagonal, both directions summed."""
+        return functional.rows_square(self.rows, sim)
+
     def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
         """The loss of a whole [B, B] matrix, both directions summed (``positives``: [B, B] bool
         of pairs sharing an image; the diagonal always is one)."""
-        return functional.both_directions(self.rows, sim, positives, self.anchors_only)
+        return functional.both_directions(self.rows, sim, positives, self.anchors_only, self.square)
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         """Its temperatures in use (clamped), by name, for logging; {} when it has none."""
@@ -90,6 +97,9 @@ class InfoNCE(BaseLoss):
 
     def rows(self, sim, targets, ignore=None):
         return functional.infonce_rows(sim, 1.0 / self.temperature(), targets, ignore)
+
+    def square(self, sim):
+        return functional.infonce_square(sim, 1.0 / self.temperature())
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         return {"base": self.temperature()}
@@ -152,6 +162,9 @@ class TripletHN(BaseLoss):
 
     def rows(self, sim, targets, ignore=None):
         return functional.triplet_hn_rows(sim, self.margin, targets, ignore)
+
+    def square(self, sim):
+        return functional.triplet_hn_square(sim, self.margin)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}"
@@ -224,13 +237,17 @@ class ImageTextLoss(Structure):
     """A base loss over the image↔text similarity matrix, both directions summed.
 
     Inputs: ``image``, ``text`` [B, d] and optional ``group_ids`` [B] (pairs with equal ids
-    are positives of each other). Row i's anchor is column i of the global batch.
+    are positives of each other). Row i's anchor is column i of the global batch. When every
+    row is scored and no two pairs share an image, both directions come from the one image→text
+    matrix (:meth:`BaseLoss.square`): one matrix product, as open_clip's ``ClipLoss`` over a gathered batch.
     """
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
-        rows = batch.rows("image").shape[0]
-        anchors = batch.first_row + torch.arange(rows, device=batch.columns["text"].device)
+        rows, columns = batch.rows("image").shape[0], batch.columns["text"].shape[0]
+        anchors = torch.arange(batch.first_row, batch.first_row + rows, device=batch.columns["text"].device)
         targets, ignore = functional.split_positives(anchors, _group_positives(batch), self.base.anchors_only)
+        if rows == columns and functional.one_target_per_row(targets, ignore):
+            return self.base.square(batch.similarity("image", "text"))
         i2t = self.base.rows(batch.similarity("image", "text"), targets, ignore)
         t2i = self.base.rows(batch.similarity("text", "image"), targets, ignore)
         return i2t.mean() + t2i.mean()
