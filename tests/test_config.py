@@ -314,3 +314,9 @@ def test_every_command_names_the_function_that_runs_it():
         "demo", "train", "tune", "extract-teacher", "shards build", "shards inspect", "shards verify", "evaluate", "export",
         "checkpoints list", "checkpoints verify", "doctor", "registry", "data synth"}
     assert all(callable(parser.get_default("func")) for parser in commands.values())
+
+
+def test_compile_under_zero3_is_refused_naming_the_fields():
+    with pytest.raises(ConfigError, match=r"train\.compile: .*torch\.compile of the towers does not run under zero_stage 3"):
+        load_config(None, ["train.compile=true", "train.zero_stage=3"])
+    assert load_config(None, ["train.compile=true", "train.zero_stage=2"]).train.compile

@@ -69,3 +69,17 @@ def test_the_arch_list_deepspeed_would_choke_on_is_reported(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     findings = {f.topic: f for f in doctor.compiler(load_config(None))}
     assert findings["TORCH_CUDA_ARCH_LIST"].detail == "9.0a (DeepSpeed ops get '9.0')"
+
+
+def test_compile_without_a_c_compiler_is_reported_blocking(monkeypatch, tmp_path):
+    """``train.compile`` needs the C compiler Inductor builds with: named where there is one,
+    blocking where there is none; without ``train.compile`` nothing is said."""
+    assert "train.compile" not in {f.topic for f in doctor.compiler(load_config(None))}
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    finding = {f.topic: f for f in doctor.compiler(load_config(None, ["train.compile=true"]))}["train.compile"]
+    assert finding.blocking and "no C compiler" in finding.detail
+    (tmp_path / "cc").write_text("#!/bin/sh\n")
+    (tmp_path / "cc").chmod(0o755)
+    finding = {f.topic: f for f in doctor.compiler(load_config(None, ["train.compile=true"]))}["train.compile"]
+    assert not finding.blocking and str(tmp_path / "cc") in finding.detail

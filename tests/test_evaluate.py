@@ -387,3 +387,21 @@ def test_split_from_raw_outputs_is_scored_by_cosine_and_fused_from_the_raw_outpu
     torch.testing.assert_close(query_image, torch.from_numpy(image).float())  # the outputs as the model gave them
     torch.testing.assert_close(query_text, torch.from_numpy(text[0::2]).float())  # caption 0 of each image
     torch.testing.assert_close(key_text, torch.from_numpy(text[1::2]).float())
+
+
+def test_split_from_device_tensors_equals_the_split_from_arrays():
+    """Validation keeps the embeddings as tensors on the worker's device: concatenated and
+    normalised there, they score as arrays do; ``to`` moves every tensor."""
+    split = tiny_split()
+    fields = {"image_ids": split.image_ids, "labels": split.labels, "text_image_ids": split.text_image_ids,
+              "caption_index": split.caption_index}
+    halves = [fields | {"image": split.image * 2, "text": split.text * 3}]
+    from_tensors = SplitEmbeddings.from_batches(halves)
+    from_arrays = SplitEmbeddings.from_batches([fields | {"image": (split.image * 2).numpy(),
+                                                          "text": (split.text * 3).numpy()}])
+    torch.testing.assert_close(from_tensors.image, from_arrays.image)
+    torch.testing.assert_close(from_tensors.text_norm, from_arrays.text_norm)
+    assert evaluate_split(from_tensors, NormalizedSumFusion()).metrics == evaluate_split(
+        from_arrays, NormalizedSumFusion()).metrics
+    moved = from_tensors.to("meta")
+    assert moved.image.device.type == moved.image_norm.device.type == "meta" and moved.image_ids is from_tensors.image_ids

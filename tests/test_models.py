@@ -143,3 +143,24 @@ def test_raw_sum_under_zero3_on_two_ranks_equals_one_process():
                             ("model.clip.text_projection", model.clip.text_projection)):
             assert np.abs(grads[name]).max() > 0, name
             np.testing.assert_allclose(grads[name], param.grad.numpy(), rtol=1e-3, atol=1e-6, err_msg=name)
+
+
+def test_compiled_towers_keep_their_parameter_names_and_the_rest_stays_eager():
+    """``train.compile``: the towers compile in place, so checkpoints and exports keep their
+    keys; compilation itself waits for the first forward (on a GPU worker)."""
+    model = clip.create_model(ModelConfig(arch="pairsim-tiny"))
+    keys = list(model.state_dict())
+    clip.compile_towers(model)
+    assert list(model.state_dict()) == keys
+    assert model.visual._compiled_call_impl is not None and model.transformer._compiled_call_impl is not None
+    assert model._compiled_call_impl is None and model.ln_final._compiled_call_impl is None
+
+
+def test_pixel_normaliser_works_on_the_pixels_device_and_copies_its_constants_once():
+    normalize = clip.PixelNormalizer(ModelConfig(arch="pairsim-tiny"))
+    pixels = torch.zeros(2, 3, 4, 4, dtype=torch.uint8, device="meta")
+    out = normalize(pixels, torch.bfloat16)
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == pixels.shape
+    mean = normalize._on_device[pixels.device][0]
+    normalize(pixels)
+    assert normalize._on_device[pixels.device][0] is mean  # no host→device copy per step

@@ -73,7 +73,8 @@ def gpus(cfg: RunConfig) -> list[Finding]:
 
 
 def compiler(cfg: RunConfig) -> list[Finding]:
-    """nvcc, DeepSpeed's pre-built ops and ``TORCH_CUDA_ARCH_LIST`` as DeepSpeed will read it."""
+    """nvcc, DeepSpeed's pre-built ops, ``TORCH_CUDA_ARCH_LIST`` as DeepSpeed will read it and,
+    with ``train.compile``, the C compiler Inductor builds with."""
     from pairsim.train import engine
 
     nvcc = shutil.which("nvcc")
@@ -89,6 +90,11 @@ def compiler(cfg: RunConfig) -> list[Finding]:
     found.append(Finding("optimizer", optimizer + ("" if cfg.optim.impl == "torch" else
                                                    f": {problem}" if problem else ": can be built or is pre-built"),
                          blocking=cfg.optim.impl == "deepspeed" and problem is not None))
+    if cfg.train.compile:
+        cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+        found.append(Finding("train.compile", f"torch.compile's Inductor builds with {cc}" if cc else
+                             "no C compiler (cc, gcc, $CC) here: torch.compile's Inductor needs one; install one "
+                             "or set train.compile=false", blocking=cc is None))
     return found
 
 

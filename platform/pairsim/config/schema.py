@@ -37,6 +37,9 @@ class DataConfig(Section):
                        "(same seed, same order); null: unseeded and unordered, a little faster")
     shuffle_buffer: Int = Field(256, ge=0, description="rows in each worker's local shuffle buffer")
     prefetch_batches: Int = Field(2, ge=0)
+    pin_memory: Bool = Field(True, description="with train.use_gpu: batches collated into page-locked host memory, "
+                                               "so Ray Data's copy to the GPU (in its prefetch thread) does not "
+                                               "block on pageable memory")
     cpus_per_task: Float = Field(1.0, gt=0.0, description="CPUs each decode/augment/tokenize task reserves")
     max_cpus: Float | None = Field(
         None, gt=0.0, description="cap on the CPUs Ray Data uses; None: all the training workers leave free")
@@ -265,12 +268,25 @@ class TrainConfig(Section):
                                       "micro-batch); independent: each micro-batch is its own contrastive batch")
     grad_checkpointing: Bool = Field(False, description="recompute the towers' activations in backward "
                                                         "(open_clip's --grad-checkpointing)")
+    tf32: Bool = Field(True, description="with use_gpu: TF32 tensor cores for float32 matmuls and convolutions "
+                                         "(open_clip_train's default); false: full float32")
+    compile: Bool = Field(False, description="torch.compile the image and text towers (Inductor: a C compiler on "
+                                             "the workers; the first steps compile); not with zero_stage 3, whose "
+                                             "parameter hooks break the graphs")
     deepspeed: dict[str, Any] = Field(
         default_factory=dict, description="merged over the DeepSpeed config pairsim derives (e.g. "
                                           "zero_optimization.offload_optimizer); keys pairsim sets from its own "
                                           "fields are refused, naming the field")
     log_every_n_steps: Int = Field(10, ge=1)
     seed: Int = 0
+
+    @field_validator("compile")
+    @classmethod
+    def _compile_without_zero3(cls, compile_towers: bool, info: ValidationInfo) -> bool:
+        if compile_towers and info.data.get("zero_stage") == 3:
+            raise ValueError("torch.compile of the towers does not run under zero_stage 3 (its parameter gathering "
+                             "hooks break the graphs); use zero_stage <= 2 or compile=false")
+        return compile_towers
 
     @field_validator("deepspeed")
     @classmethod

@@ -37,13 +37,14 @@ class EmbedBatches:
 
 
 def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormalizer, device,
-                dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
+                dtype: torch.dtype = torch.float32, to_host: bool = True) -> dict[str, np.ndarray | torch.Tensor]:
     """One batch of ``ingest.eval_images`` (``pixels``) or ``ingest.eval_texts`` (``tokens``) through
     ``model`` (a RetrievalModel or the engine wrapping one): the ids that go with the rows and
-    every embedding the model gives, named as :class:`SplitEmbeddings` fields. Arrays Ray Data
+    every embedding the model gives (float32 arrays; with ``to_host=False`` float32 tensors left
+    on ``device``, no wait for the GPU), named as :class:`SplitEmbeddings` fields. Arrays Ray Data
     hands over read-only (views of Arrow buffers) are copied: torch warns on each otherwise."""
     def tensor(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.require(array, requirements="W")).to(device)
+        return torch.from_numpy(np.require(array, requirements="W")).to(device, non_blocking=True)
 
     if "pixels" in batch:
         fields = {"image_ids": batch["image_id"], "labels": batch["label"]}
@@ -51,7 +52,7 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
     else:
         fields = {"text_image_ids": batch["image_id"], "caption_index": batch["caption_index"]}
         out = model(text=tensor(batch["tokens"]))
-    return fields | {k: v.float().cpu().numpy() for k, v in out.items()}
+    return fields | {k: v.float().cpu().numpy() if to_host else v.float() for k, v in out.items()}
 
 
 def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progress: bool = True,

@@ -56,6 +56,10 @@ class QueryValues:
     r_precision: torch.Tensor  # float64: positives in the top R / R
     n_without_positive: int
 
+    def cpu(self) -> QueryValues:
+        return QueryValues(self.first_rank.cpu(), self.average_precision.cpu(), self.r_precision.cpu(),
+                           self.n_without_positive)
+
 
 def query_values(hits: torch.Tensor, n_positive: torch.Tensor, first_rank: torch.Tensor) -> QueryValues:
     """:class:`QueryValues` from each query's ranked relevance.
@@ -296,29 +300,31 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     model's) has its exact first rank from the same scores, not from more passes. A query block
     is summarised (:func:`query_values`) before the next starts. With
     q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block·KEPT_SCORE_BLOCKS + D))
-    for the block plus O(Q) for the per-query values (3 numbers each), whatever Q·D.
+    for the block plus O(Q) for the per-query values (3 numbers each), whatever Q·D. It runs on
+    the embeddings' device (a training worker's GPU); the per-query values come back to the host.
     """
-    queries, keys = queries.float(), keys.float()
-    query_labels, key_labels = torch.as_tensor(query_labels, dtype=torch.long), torch.as_tensor(key_labels,
-                                                                                                 dtype=torch.long)
-    self_keys = None if self_keys is None else torch.as_tensor(self_keys, dtype=torch.long)
-    labels, counts = torch.unique(key_labels[key_labels >= 0], return_counts=True)
-    n_positive = torch.zeros(len(queries), dtype=torch.long)
-    known = (query_labels >= 0) & torch.isin(query_labels, labels)
-    n_positive[known] = counts[torch.searchsorted(labels, query_labels[known])]
-    if self_keys is not None:
-        has_self = self_keys >= 0
-        own_label = torch.where(has_self, key_labels[self_keys.clamp(min=0)], -1)
-        n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
-    keys_by_label = torch.argsort(key_labels, stable=True)
-    sorted_labels = key_labels[keys_by_label]
-    rankable = len(keys) - (0 if self_keys is None else 1)
-    depth = max(1, min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable))
-    query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
-    parts = []
-    for start in range(0, len(queries), query_block):
-        block = slice(start, start + query_block)
-        parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, keys_by_label,
-                                         sorted_labels, n_positive[block],
-                                         None if self_keys is None else self_keys[block], depth, key_block))
+    with torch.device(queries.device):  # every tensor made here on the embeddings' device
+        queries, keys = queries.float(), keys.float()
+        query_labels, key_labels = torch.as_tensor(query_labels, dtype=torch.long), torch.as_tensor(key_labels,
+                                                                                                     dtype=torch.long)
+        self_keys = None if self_keys is None else torch.as_tensor(self_keys, dtype=torch.long)
+        labels, counts = torch.unique(key_labels[key_labels >= 0], return_counts=True)
+        n_positive = torch.zeros(len(queries), dtype=torch.long)
+        known = (query_labels >= 0) & torch.isin(query_labels, labels)
+        n_positive[known] = counts[torch.searchsorted(labels, query_labels[known])]
+        if self_keys is not None:
+            has_self = self_keys >= 0
+            own_label = torch.where(has_self, key_labels[self_keys.clamp(min=0)], -1)
+            n_positive -= (has_self & (own_label == query_labels) & (query_labels >= 0)).long()
+        keys_by_label = torch.argsort(key_labels, stable=True)
+        sorted_labels = key_labels[keys_by_label]
+        rankable = len(keys) - (0 if self_keys is None else 1)
+        depth = max(1, min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable))
+        query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
+        parts = []
+        for start in range(0, len(queries), query_block):
+            block = slice(start, start + query_block)
+            parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, keys_by_label,
+                                             sorted_labels, n_positive[block],
+                                             None if self_keys is None else self_keys[block], depth, key_block).cpu())
     return metrics_from_query_values(parts, ks)

@@ -12,6 +12,7 @@ the report table (:func:`pairsim.eval.report.format_report`) read it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,18 +50,25 @@ class SplitEmbeddings:
     text_norm: torch.Tensor | None = None
 
     @classmethod
-    def from_batches(cls, batches: Iterable[dict[str, np.ndarray]]) -> SplitEmbeddings:
+    def from_batches(cls, batches: Iterable[dict[str, np.ndarray | torch.Tensor]]) -> SplitEmbeddings:
         """Concatenate :func:`embed_batch` outputs (the model's raw outputs): float columns (the
-        embeddings) become L2-normalised tensors, the image and text norms are kept."""
+        embeddings, arrays or tensors on a device, which they stay on) become L2-normalised
+        tensors, the image and text norms are kept."""
         columns: dict[str, list[np.ndarray]] = {}
         for batch in batches:
             for name, value in batch.items():
                 columns.setdefault(name, []).append(value)
-        fields = {name: torch.from_numpy(np.concatenate(parts)) if parts[0].dtype.kind == "f"
+        fields = {name: torch.cat(parts) if isinstance(parts[0], torch.Tensor)
+                  else torch.from_numpy(np.concatenate(parts)) if parts[0].dtype.kind == "f"
                   else np.concatenate(parts) for name, parts in columns.items()}
         norms = {f"{m}_norm": fields[m].norm(dim=1, keepdim=True) for m in ("image", "text")}
         return cls(**{name: F.normalize(v, dim=1) if isinstance(v, torch.Tensor) else v for name, v in fields.items()},
                    **norms)
+
+    def to(self, device: torch.device | str) -> SplitEmbeddings:
+        """These embeddings with every tensor on ``device``."""
+        return dataclasses.replace(self, **{field.name: value.to(device) for field in dataclasses.fields(self)
+                                            if isinstance(value := getattr(self, field.name), torch.Tensor)})
 
     def raw(self, modality: str, rows: np.ndarray) -> torch.Tensor:
         """The model's output for ``rows`` of ``image`` or ``text``, before normalisation."""

@@ -65,6 +65,14 @@ def lock_towers(model: torch.nn.Module, cfg: ModelConfig) -> None:
         model.lock_text_tower(unlocked_layers=cfg.lock_text_unlocked_layers)
 
 
+def compile_towers(model: torch.nn.Module) -> None:
+    """``torch.compile`` the image and text towers in place (``nn.Module.compile``: parameter
+    names and checkpoints unchanged); the projections, pooling and heads around them run eagerly.
+    Compilation happens at the first forward of each input shape."""
+    for tower in (model.visual, model.transformer if hasattr(model, "transformer") else model.text):
+        tower.compile()
+
+
 def preprocess_cfg(cfg: ModelConfig) -> PreprocessCfg:
     """The model's image preprocessing, derived as open_clip does, without building the model."""
     model_cfg = open_clip.get_model_config(cfg.arch)
@@ -103,9 +111,12 @@ class PixelNormalizer:
         pp = preprocess_cfg(cfg)
         self.mean = torch.tensor(pp.mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(pp.std, dtype=torch.float32).view(1, -1, 1, 1)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, pixels: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        mean, std = self.mean.to(pixels.device), self.std.to(pixels.device)
+        if pixels.device not in self._on_device:  # copied once: a blocking host→GPU copy per step stalls it
+            self._on_device[pixels.device] = (self.mean.to(pixels.device), self.std.to(pixels.device))
+        mean, std = self._on_device[pixels.device]
         return ((pixels.float() / 255.0 - mean) / std).to(dtype)
 
 

@@ -154,6 +154,10 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
         checkpoints.load_initial_weights(model, cfg.model.init_from)
     clip.lock_towers(model.clip, cfg.model)
     model.clip.set_grad_checkpointing(cfg.train.grad_checkpointing)
+    if cfg.train.use_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    if cfg.train.compile:
+        clip.compile_towers(model.clip)
     module = TrainingModule(model, objective)
     if dist.rank() == 0:
         trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -113,6 +113,23 @@ class StepTimer:
                 "perf/first_batch_wait_s": first}
 
 
+def epoch_seconds(started: float, device: torch.device) -> float:
+    """Seconds since ``started`` once the work queued on ``device`` is done (one sync an epoch)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def epoch_costs(train_s: float, val_s: float, device: torch.device) -> dict[str, float]:
+    """An epoch's ``perf/train_epoch_s``, ``perf/val_s`` and their ratio ``perf/val_share`` (the
+    per-epoch validation against the training it follows) and, on a GPU, the peak memory
+    allocated so far (``perf/gpu_peak_memory_gib``, torch's allocator)."""
+    costs = {"perf/train_epoch_s": train_s, "perf/val_s": val_s, "perf/val_share": val_s / max(train_s, 1e-9)}
+    if device.type == "cuda":
+        costs["perf/gpu_peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return costs
+
+
 def progress_eta(steps_left: int, samples_per_step: int, samples_per_s: float) -> str:
     """The training steps' ETA at the current rate (validation comes on top)."""
     if samples_per_s <= 0:
@@ -137,7 +154,8 @@ def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, Teacher],
 
 def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbeddings:
     """The val split's image and caption embeddings (uni-modal ones too, when the model has
-    heads for them), computed on every rank.
+    heads for them), computed on every rank and left on its device (the GPU's, where the
+    evaluation then runs).
 
     Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
     gathering in step; rank 0 uses the result.
@@ -145,7 +163,7 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbedd
     normalize = clip.PixelNormalizer(cfg.model)
     engine.eval()
     with torch.no_grad():
-        batches = [inference.embed_batch(engine, batch, normalize, engine.device, dtype)
+        batches = [inference.embed_batch(engine, batch, normalize, engine.device, dtype, to_host=False)
                    for name in ("val_images", "val_texts")
                    for batch in ray.train.get_dataset_shard(name).iter_batches(
                        batch_size=cfg.eval.batch_size, batch_format="numpy")
@@ -165,6 +183,7 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
     if run is None:
         return {}
     report = suite.evaluate_split(embeddings, retrieval.fusion_module(engine.module.model, cfg.model), cfg.eval.ks)
+    embeddings = embeddings.to("cpu")  # the pictures and similarity histograms are drawn on the host
     metrics = {f"val/{k}": v for k, v in report.metrics.items()}
     if selection_metric(cfg) not in metrics:
         raise ValueError(f"eval.select_metric: the val split gives no {cfg.eval.select_metric!r} "
@@ -214,8 +233,11 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
 
     try:
         for epoch in range(start_epoch, cfg.train.epochs):
+            epoch_started = time.perf_counter()
+            # copied to the engine's device in Ray Data's prefetch thread, from page-locked memory on a GPU
             batches = train_shard.iter_torch_batches(
                 batch_size=cfg.train.micro_batch_size, drop_last=True, prefetch_batches=cfg.data.prefetch_batches,
+                device=engine.device, pin_memory=cfg.train.use_gpu and cfg.data.pin_memory,
                 local_shuffle_buffer_size=cfg.data.shuffle_buffer or None,
                 local_shuffle_seed=ingest.local_shuffle_seed(cfg.data.seed, epoch, rank))
             timer = StepTimer(cfg.train.micro_batch_size * world * cfg.train.accumulate_steps)
@@ -231,9 +253,9 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                     clock.lap("first_batch")
                 try:
                     out = accumulation.train_step(engine, [
-                        {"image": normalize(batch["pixels"].to(engine.device), dtype),
-                         "text": batch["tokens"].to(engine.device), "group_ids": batch["group_ids"].to(engine.device),
-                         **teacher_embeddings(batch, live_teachers, engine.device)} for batch in group],
+                        {"image": normalize(batch["pixels"], dtype), "text": batch["tokens"],
+                         "group_ids": batch["group_ids"], **teacher_embeddings(batch, live_teachers, engine.device)}
+                        for batch in group],
                         cache_features=cfg.train.accumulate_mode == "cache_features")
                 except FloatingPointError as exc:
                     raise FloatingPointError(f"epoch {epoch + 1} step {step + 1}: {exc}") from None
@@ -265,10 +287,12 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                         "epoch %d trained %d pairs, %d of them more than once; %d train images unseen (under a "
                         "micro-batch a rank is what drop_last leaves)", epoch + 1, audited["data/epoch_pairs"],
                         audited["data/epoch_pairs_repeated"], audited["data/epoch_images_unseen"])
+            train_s = epoch_seconds(epoch_started, engine.device)
             metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
+            val_s = epoch_seconds(epoch_started, engine.device) - train_s
             card = None
             if run:
-                run.log_metrics(timer.metrics() | job.logged_params, step)
+                run.log_metrics(timer.metrics() | epoch_costs(train_s, val_s, engine.device) | job.logged_params, step)
                 run.flush()  # the epoch's queued metrics are in MLflow before its checkpoint
                 shown = dict.fromkeys([*CONSOLE_METRICS, selection_metric(cfg), "data/skipped_images"])
                 logger.info("epoch %d %s  (every metric in MLflow)", epoch + 1, "  ".join(
