@@ -31,6 +31,8 @@ from pairsim.tracking import metric_key
 DIRECTIONS = {"i2t": "image→text", "t2i": "text→image", "i2i": "image→image", "t2t": "text→text"}
 COLUMNS = {"R@1": ".2f", "R@5": ".2f", "R@10": ".2f", "mAP@R": ".2f", "R-P": ".2f", "median_rank": ".1f"}
 MODALITIES = ("image", "text", "fused")
+EPOCH_COSTS = {"perf/train_epoch_s": "train s", "perf/val_s": "val s", "perf/val_share": "val / train",
+               "perf/gpu_peak_memory_gib": "peak GPU GiB"}
 PLATFORM = Path(__file__).resolve().parents[1] / "platform"
 
 
@@ -58,7 +60,8 @@ def main() -> None:
     seconds = time.perf_counter() - started
 
     tables = read_tables(out, seconds)
-    results.publish("bench_demo", tables, args.results, seconds)
+    on_gpu = "train.use_gpu=true" in args.overrides
+    results.publish("bench_demo_gpu" if on_gpu else "bench_demo", tables, args.results, seconds, script="bench_demo")
 
 
 def read_tables(out: Path, seconds: float) -> list[results.Table]:
@@ -71,10 +74,15 @@ def read_tables(out: Path, seconds: float) -> list[results.Table]:
     val = {key: next(m.value for m in client.get_metric_history(run.info.run_id, key) if m.step == best)
            for key in run.data.metrics if key.startswith("val/")}
 
-    epochs = results.Table(f"`pairsim demo`: {minutes(seconds)} from launch to exit; val RSUM after each epoch",
-                           ["epoch", "val RSUM"], ["d", ".2f"])
+    def per_step(key):
+        return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+    costs = {key: per_step(key) for key in EPOCH_COSTS}
+    epochs = results.Table(f"`pairsim demo`: {minutes(seconds)} from launch to exit; val RSUM after each epoch, "
+                           "the epoch's training and validation seconds", ["epoch", "val RSUM", *EPOCH_COSTS.values()],
+                           ["d", ".2f", ".1f", ".1f", ".3f", ".2f"])
     for epoch, step in enumerate(steps, start=1):
-        epochs.add(epoch, history[step])
+        epochs.add(epoch, history[step], *(costs[key].get(step) for key in EPOCH_COSTS))
     epoch = steps.index(best) + 1
     manifest = shards.read_manifest(out / "data" / "shapes")  # where the demo config puts its data
     sizes = {split: f"{info.images:,} images, {info.captions:,} captions" for split, info in manifest.splits.items()}
@@ -90,7 +98,8 @@ def read_tables(out: Path, seconds: float) -> list[results.Table]:
 
 
 def minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60} s"
 
 
 if __name__ == "__main__":

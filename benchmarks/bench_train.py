@@ -1,17 +1,31 @@
-"""Training throughput: pairsim (1 Ray Train worker, DeepSpeed ZeRO-0, fp32) against open_clip's
-own training script (``open_clip_train``) on the same tiny model, data and batch size, in one run.
+"""Training throughput: pairsim (1 Ray Train worker, DeepSpeed ZeRO-0) against open_clip's own
+training script (``open_clip_train``) on the same model, data and batch size, in one run; on a
+GPU also against pairsim's own step on pre-made device tensors (its ceiling).
 
     python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
+    python benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
+        --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic [--compile]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
-``open_clip_train`` reads. Both tools get the same compute threads and one data worker, each in
-its own process tree started from here, and both log every 5 steps. Steady-state samples/s is
-the median, over the 5-step logging windows that start after step 10, of the window's samples
-over its time — each tool's own figure for it: pairsim's ``train/samples_per_s``,
-open_clip_train's batch size over its "Batch (t)" (the mean step time since its last log line;
-its "/s" figure is the last step's alone). Both windows hold the data waits and the logging of
-the previous line. Start-up is the time from launching the tool until its first training step
-has finished (open_clip_train's first log line; pairsim's ``perf/startup_s``, logged then).
+``open_clip_train`` reads. Both tools get the same compute threads and data workers (open_clip's
+DataLoader workers, Ray Data's CPUs), each in its own process tree started from here, and both
+log every 5 steps. Steady-state samples/s is the median, over the 5-step logging windows that
+start after step 10, of the window's samples over its time — each tool's own figure for it:
+pairsim's ``train/samples_per_s``, open_clip_train's batch size over its "Batch (t)" (the mean
+step time since its last log line; its "/s" figure is the last step's alone). Both windows hold
+the data waits and the logging of the previous line. Start-up is the time from launching the
+tool until its first training step has finished (open_clip_train's first log line; pairsim's
+``perf/startup_s``, logged then). Precision bf16 is open_clip_train's ``amp_bf16`` (float32
+weights, bf16 autocast) and pairsim's DeepSpeed bf16 (bf16 weights, float32 master copy in the
+optimizer). Peak GPU memory is torch's allocator peak in the training process.
+
+``--synthetic``: pairsim's step (the worker's: normalise, forward, loss, backward, optimizer,
+temperature clamp) on uint8 pixels and tokens made once on the device, timed over the same
+5-step windows (the device synchronised at each window's ends), in this process, one engine
+after another: ZeRO-0 (the ceiling of the real run), each of ``--synthetic-stages``, and with
+``--compile`` ZeRO-0 with ``train.compile: true`` (the towers through ``torch.compile``; its
+first window holds the compilation). Results go to ``bench_train.json`` on the CPU,
+``bench_train_gpu.json`` on a GPU.
 """
 
 from __future__ import annotations
@@ -20,22 +34,28 @@ import argparse
 import csv
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import traceback
 from datetime import datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import torch
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 
+from pairsim.config import RunConfig, load_config
 from pairsim.data import shards, synth
+from pairsim.models import clip
 
 WARMUP_STEPS = 10
 LOG_EVERY = 5
+OPEN_CLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16"}
 
 
 def export_csv(dataset: Path, out: Path) -> Path:
@@ -54,51 +74,113 @@ def export_csv(dataset: Path, out: Path) -> Path:
     return table
 
 
-def run_open_clip_train(table: Path, out: Path, batch_size: int, threads: int, num_samples: int):
-    """Run ``open_clip_train.main`` with pairsim's tiny architecture registered; parse its log."""
-    args = ["--train-data", str(table), "--dataset-type", "csv", "--csv-img-key", "filepath",
-            "--csv-caption-key", "title", "--model", "pairsim-tiny", "--batch-size", str(batch_size),
-            "--epochs", "1", "--workers", "1", "--device", "cpu", "--precision", "fp32", "--lr", "1e-3",
-            "--warmup", "10", "--wd", "0.1", "--log-every-n-steps", str(LOG_EVERY), "--save-frequency", "0",
-            "--zeroshot-frequency", "0", "--val-frequency", "0", "--logs", str(out / "open_clip_logs"),
-            "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(num_samples)]
-    code = ("import sys, pairsim.models.clip; from open_clip_train.main import main; main(sys.argv[1:])")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "CUDA_VISIBLE_DEVICES": ""}
+def run_open_clip_train(table: Path, out: Path, args) -> dict[str, float]:
+    """Run ``open_clip_train.main`` (pairsim's tiny architecture registered); parse its log."""
+    argv = ["--train-data", str(table), "--dataset-type", "csv", "--csv-img-key", "filepath",
+            "--csv-caption-key", "title", "--model", args.model, "--batch-size", str(args.batch_size),
+            "--epochs", "1", "--workers", str(args.data_workers), "--device", args.device,
+            "--precision", OPEN_CLIP_PRECISION[args.precision], "--lr", "1e-3", "--warmup", "10", "--wd", "0.1",
+            "--log-every-n-steps", str(LOG_EVERY), "--save-frequency", "0", "--zeroshot-frequency", "0",
+            "--val-frequency", "0", "--logs", str(out / "open_clip_logs"),
+            "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(args.images)]
+    code = ("import sys, torch, pairsim.models.clip; from open_clip_train.main import main; main(sys.argv[1:]); "
+            "print('peak GPU bytes', torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} | ({"CUDA_VISIBLE_DEVICES": ""}
+                                                                   if args.device == "cpu" else {})
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True)
     wall = time.time() - start
     if proc.returncode != 0:
         raise RuntimeError(f"open_clip_train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     log = proc.stdout + proc.stderr
     pattern = r"(\d{4}-\d\d-\d\d,\d\d:\d\d:\d\d) \| INFO \| Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): ([\d.]+),"
-    windows = [(datetime.strptime(t, "%Y-%m-%d,%H:%M:%S").timestamp(), int(n) // batch_size, batch_size / float(b))
-               for t, n, b in re.findall(pattern, log)]
+    windows = [(datetime.strptime(t, "%Y-%m-%d,%H:%M:%S").timestamp(), int(n) // args.batch_size,
+                args.batch_size / float(b)) for t, n, b in re.findall(pattern, log)]
     steady = [rate for _, end, rate in windows if end - LOG_EVERY + 1 > WARMUP_STEPS]
     if not steady:
         raise RuntimeError(f"open_clip_train logged {len(windows)} windows:\n{log[-3000:]}")
-    return statistics.median(steady), windows[0][0] - start, wall
+    peak = int(re.findall(r"peak GPU bytes (\d+)", log)[-1])
+    return {"rate": statistics.median(steady), "startup": windows[0][0] - start, "wall": wall,
+            "peak_gib": peak / 2**30 if args.device == "cuda" else None}
 
 
-def run_pairsim(dataset: Path, out: Path, batch_size: int, threads: int):
+def pairsim_config(dataset: Path, out: Path, args, *overrides: str) -> RunConfig:
+    gpu = args.device == "cuda"
+    return load_config(None, [
+        f"data.path={dataset}", f"model.arch={args.model}", "train.num_workers=1",
+        f"train.cpus_per_worker={args.threads}", f"ray.data_cpus={args.data_workers}", "train.zero_stage=0",
+        f"train.precision={args.precision}", f"train.use_gpu={str(gpu).lower()}",
+        f"train.micro_batch_size={args.batch_size}", "train.epochs=1", f"train.log_every_n_steps={LOG_EVERY}",
+        "optim.lr=1e-3", "optim.warmup_steps=10", "optim.weight_decay=0.1",
+        f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray", *overrides])
+
+
+def run_pairsim(cfg: RunConfig) -> dict[str, float]:
     from mlflow.tracking import MlflowClient
 
     from pairsim.train import driver
-    from pairsim.config import load_config
 
-    cfg = load_config(None, [
-        f"data.path={dataset}", "model.arch=pairsim-tiny", "train.num_workers=1",
-        f"train.cpus_per_worker={threads}", "ray.data_cpus=1", "train.zero_stage=0", "train.precision=fp32",
-        f"train.micro_batch_size={batch_size}", "train.epochs=1", f"train.log_every_n_steps={LOG_EVERY}",
-        "optim.lr=1e-3", "optim.warmup_steps=10", "optim.weight_decay=0.1",
-        f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"])
     start = time.time()
     result = driver.fit(cfg)
     wall = time.time() - start
     client = MlflowClient(result.tracking_uri)
-    rates = client.get_metric_history(result.mlflow_run_id, "train/samples_per_s")
-    steady = statistics.median(m.value for m in rates if m.step - LOG_EVERY + 1 > WARMUP_STEPS)
-    first_step_at = client.get_metric_history(result.mlflow_run_id, "perf/startup_s")[0].timestamp / 1000
-    return steady, first_step_at - start, wall
+
+    def history(key):
+        return client.get_metric_history(result.mlflow_run_id, key)
+
+    steady = statistics.median(m.value for m in history("train/samples_per_s") if m.step - LOG_EVERY + 1 > WARMUP_STEPS)
+    peak = history("perf/gpu_peak_memory_gib")
+    return {"rate": steady, "startup": history("perf/startup_s")[0].timestamp / 1000 - start, "wall": wall,
+            "peak_gib": max(m.value for m in peak) if peak else None,
+            "val_share": history("perf/val_share")[-1].value}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_synthetic(cfg: RunConfig, steps: int) -> dict[str, float]:
+    """pairsim's training step on inputs made once on the device: steady samples/s over the
+    5-step windows after the warm-up, and the allocator's peak."""
+    import deepspeed
+
+    from pairsim.train import accumulation
+    from pairsim.train import engine as engines
+
+    if not torch.distributed.is_initialized():  # one rank, as DeepSpeed wants it
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
+    engine = engines.create_engine(cfg, engines.deepspeed_config(cfg.train, cfg.optim, steps))
+    device, dtype, batch = engine.device, engines.DTYPES[cfg.train.precision], cfg.train.micro_batch_size
+    size = clip.preprocess_cfg(cfg.model).size
+    height, width = (size, size) if isinstance(size, int) else size
+    pixels = torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, device=device)
+    tokens = clip.tokenizer(cfg.model.arch)([f"a synthetic caption {i}" for i in range(batch)]).to(device)
+    group_ids, normalize = torch.arange(batch, device=device), clip.PixelNormalizer(cfg.model)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = []
+    for _ in range(steps // LOG_EVERY):
+        synchronize()
+        began = time.perf_counter()
+        for _ in range(LOG_EVERY):
+            accumulation.train_step(engine, [{"image": normalize(pixels, dtype), "text": tokens, "group_ids": group_ids}])
+            engines.clamp_temperatures(engine)
+        synchronize()
+        seconds.append(time.perf_counter() - began)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"rate": statistics.median(LOG_EVERY * batch / s for s in seconds[WARMUP_STEPS // LOG_EVERY:]),
+            "first_window_s": seconds[0], "peak_gib": peak}
 
 
 def main() -> None:
@@ -106,32 +188,85 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=6400)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="compute threads for each tool")
+    parser.add_argument("--data-workers", type=int, default=1, help="data workers (CPUs) for each tool")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default="pairsim-tiny", help="an open_clip architecture")
+    parser.add_argument("--image-size", type=int, help="of the generated images (default: the model's input)")
+    parser.add_argument("--precision", choices=list(OPEN_CLIP_PRECISION), default="fp32")
+    parser.add_argument("--synthetic", action="store_true", help="also pairsim's step on pre-made device tensors")
+    parser.add_argument("--synthetic-stages", type=int, nargs="*", default=[], choices=[1, 2, 3],
+                        help="with --synthetic: also the step under these ZeRO stages")
+    parser.add_argument("--compile", action="store_true", help="with --synthetic: also the step with train.compile")
     parser.add_argument("--out", type=Path, default=Path("bench_out/train"))
     results.add_results_argument(parser)
     args = parser.parse_args()
     started = time.perf_counter()
     out = args.out.resolve()
-    dataset = out / "shapes"
+    size = args.image_size or clip.preprocess_cfg(load_config(None, [f"model.arch={args.model}"]).model).size
+    size = size if isinstance(size, int) else max(size)
+    dataset = out / f"shapes-{size}px-{args.images}"
     if not (dataset / shards.MANIFEST).exists():
-        synth.generate(dataset, num_train=args.images, num_val=200, num_test=0)
-    table = out / "csv" / "train.csv"
+        synth.generate(dataset, num_train=args.images, num_val=200, num_test=0, image_size=size)
+    table = dataset.with_name(dataset.name + "-csv") / "train.csv"
     if not table.exists():
-        export_csv(dataset, out / "csv")
+        export_csv(dataset, table.parent)
 
-    oc_rate, oc_start, oc_wall = run_open_clip_train(table, out, args.batch_size, args.threads, args.images)
-    ps_rate, ps_start, ps_wall = run_pairsim(dataset, out, args.batch_size, args.threads)
+    real = f"pairsim (1 worker, ZeRO-0, {args.precision})"
+    measured = {"open_clip_train (baseline)": run_open_clip_train(table, out, args),
+                real: run_pairsim(pairsim_config(dataset, out, args))}
+    synthetic: dict[str, dict[str, float] | str] = {}  # a failure's message in place of its figures
 
-    table = results.Table(
-        f"Training throughput: pairsim-tiny, batch {args.batch_size}, {args.images} images, 1 epoch, "
-        f"{args.threads} compute threads + 1 data worker each",
-        ["tool", "steady samples/s", "ratio", "start-up s", "wall s"], ["", ".1f", ".2f", ".1f", ".1f"])
-    table.add("open_clip_train (baseline)", oc_rate, 1.0, oc_start, oc_wall)
-    table.add("pairsim (1 worker, ZeRO-0, fp32)", ps_rate, ps_rate / oc_rate, ps_start, ps_wall)
-    table.notes.append(f"Steady: the median rate over the {LOG_EVERY}-step logging windows after step {WARMUP_STEPS}. "
-                       "pairsim's wall time also holds Ray's start, a val evaluation and a checkpoint, which the "
-                       "baseline was told to skip.")
-    results.publish("bench_train", [table], args.results, time.perf_counter() - started)
+    def publish() -> None:  # after each measurement: a run stopped at its time limit keeps what it measured
+        results.publish("bench_train_gpu" if args.device == "cuda" else "bench_train",
+                        tables(args, size, measured, real, synthetic), args.results, time.perf_counter() - started,
+                        script="bench_train")
 
+    publish()
+    variants = {real: ()} | {f"ZeRO-{stage}": (f"train.zero_stage={stage}",) for stage in args.synthetic_stages}
+    if args.compile:
+        variants["ZeRO-0, train.compile"] = ("train.compile=true",)
+    for name, overrides in variants.items() if args.synthetic else ():
+        try:
+            synthetic[name] = run_synthetic(pairsim_config(dataset, out, args, *overrides),
+                                            steps=WARMUP_STEPS + 6 * LOG_EVERY)
+        except Exception as exc:  # the other rows still count; the failure is the row's finding
+            traceback.print_exc()
+            synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        publish()
+
+
+def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
+           synthetic: dict[str, dict[str, float] | str]) -> list[results.Table]:
+    where = (f"{torch.cuda.get_device_name()}, {args.precision}" if args.device == "cuda" else
+             f"{args.threads} compute threads")
+    throughput = results.Table(
+        f"Training throughput: {args.model}, {size} px, batch {args.batch_size}, {args.images} images, 1 epoch, "
+        f"{where}, {args.data_workers} data worker(s) each",
+        ["tool", "steady samples/s", "ratio", "start-up s", "wall s", "peak GPU GiB", "val s / train s"],
+        ["", ".1f", ".2f", ".1f", ".1f", ".2f", ".3f"])
+    baseline = measured["open_clip_train (baseline)"]["rate"]
+    for name, m in measured.items():
+        throughput.add(name, m["rate"], m["rate"] / baseline, m["startup"], m["wall"], m["peak_gib"], m.get("val_share"))
+    throughput.notes.append(f"Steady: the median rate over the {LOG_EVERY}-step logging windows after step "
+                            f"{WARMUP_STEPS}. pairsim's wall time also holds Ray's start, a val evaluation (its "
+                            "seconds over the epoch's training seconds in the last column) and a checkpoint, which "
+                            "the baseline was told to skip; its peak memory holds the validation.")
+    if not synthetic:
+        return [throughput]
+    step = results.Table(
+        f"pairsim's step on pre-made device tensors (synthetic) against the real run, {args.model}, batch "
+        f"{args.batch_size}, {args.precision}",
+        ["pairsim step", "synthetic samples/s", "real data / synthetic", f"first {LOG_EVERY} steps s", "peak GPU GiB"],
+        ["", ".1f", ".2f", ".1f", ".2f"])
+    for name, m in synthetic.items():
+        if isinstance(m, str):
+            step.add(name, None, None, None, None)
+            step.notes.append(f"{name} failed: {m}")
+        else:
+            step.add(name, m["rate"], measured[real]["rate"] / m["rate"] if name == real else None,
+                     m["first_window_s"], m["peak_gib"])
+    step.notes.append("real data / synthetic: the real run's steady rate over its own step's (its ceiling).")
+    return [throughput, step]
 
 if __name__ == "__main__":
     main()

@@ -51,14 +51,19 @@ def add_results_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _git(*args: str) -> str:
-    done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+    except OSError:  # no git on this machine
+        return ""
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def environment() -> dict[str, Any]:
     """The commit (``+dirty`` when the work tree differs), date, machine and package versions."""
-    commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks"):
+    commit = _git("rev-parse", "--short", "HEAD")
+    if not commit:  # a copy of the tree without its history (the GPU machine's): the commit it was sent at
+        commit = os.environ.get("BENCH_COMMIT", "unknown")
+    elif _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks"):
         commit += "+dirty"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), stdlib_platform.processor()) if Path("/proc/cpuinfo").exists() \
@@ -119,9 +124,10 @@ def render_table(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def publish(name: str, tables: list[Table], directory: Path, seconds: float) -> dict[str, Any]:
-    """Print the tables and write ``<directory>/<name>.json`` and ``.md``; returns the JSON."""
-    command = " ".join(["python", f"benchmarks/{name}.py", *sys.argv[1:]])
+def publish(name: str, tables: list[Table], directory: Path, seconds: float, script: str | None = None) -> dict[str, Any]:
+    """Print the tables and write ``<directory>/<name>.json`` and ``.md`` (``script``: the
+    benchmark that wrote them when it is not ``<name>.py``); returns the JSON."""
+    command = " ".join(["python", f"benchmarks/{script or name}.py", *sys.argv[1:]])
     result = {"benchmark": name, "command": _as_rerun(command), "seconds": seconds,
               "environment": environment(), "tables": [asdict(t) for t in tables]}
     directory.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,8 @@ def check_results_file(json_file: Path) -> dict:
     env = result["environment"]
     assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", env["commit"]), env["commit"]
     assert env["machine"]["cores"] >= 1 and "torch" in env["packages"] and env["date"]
-    assert result["command"].startswith(f"python benchmarks/{json_file.stem}.py")
+    script = re.match(r"python benchmarks/(\w+)\.py", result["command"])
+    assert script and json_file.stem in (script[1], f"{script[1]}_gpu"), result["command"]  # _gpu: on a GPU
     for table in result["tables"]:
         assert table["rows"] and all(len(row) == len(table["columns"]) == len(table["formats"]) for row in table["rows"])
     assert json_file.with_suffix(".md").read_text() == results.render(result), f"{json_file.name}: .md is not its JSON"
@@ -41,7 +42,7 @@ def test_the_docs_include_every_results_file_and_the_page_holds_no_table_of_its_
     written = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "benchmarks" / "results").glob("*.md"))
     assert sorted(included) == written
     assert sorted([*(f"bench_{name}" for name in bench_all.PROFILES), "bench_all"]) == \
-        sorted(Path(p).stem for p in written)
+        sorted({Path(p).stem.removesuffix("_gpu") for p in written})  # _gpu: by benchmarks/gpu_checks.sh
     outside_code = re.sub(r"```.*?```", "", page, flags=re.S)
     assert not re.search(r"^\s*\|", outside_code, re.M), "a table typed into the page instead of a results file"
     assert all(block.startswith("```bash") for block in re.findall(r"```\w*", page)[::2])
