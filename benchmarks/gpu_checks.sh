@@ -35,11 +35,11 @@ echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')" | tee -a "$OUT/log.txt
 
 case $mode in
 checks)
-  # the demo as shipped on one GPU worker, bf16 (ZeRO-2, as the demo), its data made with more CPUs;
-  # beside it the checks that time nothing, then the benchmarks alone on the GPU
+  # the demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-6} epochs, its data made with
+  # more CPUs; beside it the checks that time nothing, then the benchmarks alone on the GPU
   (logfile=$OUT/demo.txt; step 220 python3 benchmarks/bench_demo.py --set train.use_gpu=true \
-    --set train.num_workers=1 --set train.precision=bf16 --set ray.data_cpus=12 --out /tmp/bench_demo \
-    --results "$OUT") >/dev/null &
+    --set train.num_workers=1 --set train.precision=bf16 --set ray.data_cpus=12 \
+    --set train.epochs="${DEMO_EPOCHS:-6}" --out /tmp/bench_demo --results "$OUT") >/dev/null &
   demo=$!
   step 60 python3 -m pairsim.cli doctor --set train.use_gpu=true --set train.precision=bf16 --set train.num_workers=1
   step 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
