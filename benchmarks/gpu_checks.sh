@@ -5,7 +5,9 @@
 #   bash benchmarks/gpu_checks.sh sweep [SECONDS]    # the demo sweep, 4 trials sharing the GPU
 #
 # Run from the project root on the GPU machine, with the dependency bundle carried in .gpu/
-# (../shared/tools/gpu-bundle). Every step has its own time limit inside the call's SECONDS
+# (../shared/tools/gpu-bundle). pydantic's typing_inspection was missing there on 2026-11-26 though
+# gpu-bundle counts it as present: carry it in .gpu/extra/ (cp -r .venv/lib/python3.*/site-packages/
+# typing_inspection .gpu/extra/). Set BENCH_COMMIT to the commit sent: the results files record it. Every step has its own time limit inside the call's SECONDS
 # (default 560), so a slow step costs the steps after it their time, not the results before it.
 # What each step prints goes to $OUT/log.txt ($OUT/demo.txt for the demo, which runs beside the
 # checks that time nothing); the benchmarks write their results files to $OUT.
@@ -28,7 +30,7 @@ step() {  # step LIMIT_SECONDS COMMAND...: run within the limit and what is left
 }
 
 [ -f /tmp/site/.ok ] || { tar -xJf .gpu/site.tar.xz -C /tmp/site && touch /tmp/site/.ok; }
-export PYTHONPATH=/tmp/site:$PWD/platform:$PWD/tests PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD/.gpu/extra:$PWD/platform:$PWD/tests PYTHONUNBUFFERED=1
 log "bundle unpacked; commit ${BENCH_COMMIT:-unknown}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/log.txt"
 echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')" | tee -a "$OUT/log.txt"

@@ -59,12 +59,13 @@ def _git(*args: str) -> str:
 
 
 def environment() -> dict[str, Any]:
-    """The commit (``+dirty`` when the work tree differs), date, machine and package versions."""
-    commit = _git("rev-parse", "--short", "HEAD")
-    if not commit:  # a copy of the tree without its history (the GPU machine's): the commit it was sent at
-        commit = os.environ.get("BENCH_COMMIT", "unknown")
-    elif _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks"):
-        commit += "+dirty"
+    """The commit (``+dirty`` when the work tree differs; ``BENCH_COMMIT`` when set), date, machine
+    and package versions."""
+    commit = os.environ.get("BENCH_COMMIT")  # set by whoever sent the tree (the GPU machine's copy of .git is stale)
+    if not commit:
+        commit = _git("rev-parse", "--short", "HEAD") or "unknown"
+        if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks"):
+            commit += "+dirty"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), stdlib_platform.processor()) if Path("/proc/cpuinfo").exists() \
         else stdlib_platform.processor()

@@ -18,28 +18,44 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda")
 
 
+def same_metrics(on_gpu: dict[str, float], on_cpu: dict[str, float]) -> bool:
+    """Equal, but for the float64 means (mAP@R, R-P), which sum in another order there."""
+    return on_gpu.keys() == on_cpu.keys() and all(
+        on_gpu[k] == pytest.approx(v, rel=1e-12) if k.endswith(("mAP@R", "R-P")) else on_gpu[k] == v
+        for k, v in on_cpu.items())
+
+
 @pytest.mark.parametrize("seed,blocks", [(0, (7, 5)), (1, (64, 1000)), (2, (16, 64))])
 def test_blocked_retrieval_on_the_gpu_equals_the_cpu(seed, blocks):
     """Grid embeddings (exact scores on both devices, many ties): the same metrics, image-text
     labels and class labels with each query's own key left out."""
     queries, keys, ql, kl = tied_problem(seed, 300, 500, 40)
     on_cpu = blocked_retrieval_metrics(queries, keys, ql, kl, (1, 5, 10), query_block=blocks[0], key_block=blocks[1])
-    assert blocked_retrieval_metrics(queries.to(CUDA), keys.to(CUDA), ql.numpy(), kl.numpy(), (1, 5, 10),
-                                     query_block=blocks[0], key_block=blocks[1]) == on_cpu
+    assert same_metrics(blocked_retrieval_metrics(queries.to(CUDA), keys.to(CUDA), ql.numpy(), kl.numpy(), (1, 5, 10),
+                                                  query_block=blocks[0], key_block=blocks[1]), on_cpu)
     items, labels, self_keys = class_problem(seed, 400)
     on_cpu = blocked_retrieval_metrics(items, items, labels, labels, (1, 5), self_keys=self_keys,
                                        query_block=blocks[0], key_block=blocks[1])
-    assert blocked_retrieval_metrics(items.to(CUDA), items.to(CUDA), labels, labels, (1, 5), self_keys=self_keys,
-                                     query_block=blocks[0], key_block=blocks[1]) == on_cpu
+    assert same_metrics(blocked_retrieval_metrics(items.to(CUDA), items.to(CUDA), labels, labels, (1, 5),
+                                                  self_keys=self_keys, query_block=blocks[0], key_block=blocks[1]),
+                        on_cpu)
+
+
+def four_hot(n: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    """Rows of four ±1 entries: norm 2, so normalised rows (±0.5) and their scores are exact on any device."""
+    support = torch.rand(n, dim, generator=g).argsort(1)[:, :4]
+    signs = torch.randint(0, 2, (n, 4), generator=g).float() * 2 - 1
+    return torch.zeros(n, dim).scatter_(1, support, signs)
 
 
 def test_the_evaluation_suite_runs_on_the_embeddings_device():
     """A split embedded on the GPU (tensors, as validation leaves them) is evaluated there, the
-    fusion module with it, to the CPU's figures."""
+    fusion module with it, to the CPU's figures: exactly where the scores are exact on both
+    devices; the fused items (normalised sums, rounded by each device's own kernels) within one
+    query of a near-tie."""
     g = torch.Generator().manual_seed(0)
     n_images = 60
-    image = torch.randint(-2, 3, (n_images, 8), generator=g).float()
-    text = torch.randint(-2, 3, (2 * n_images, 8), generator=g).float()
+    image, text = four_hot(n_images, 8, g), four_hot(2 * n_images, 8, g)
     ids = np.array([f"im{i}" for i in range(n_images)])
     fields = {"image_ids": ids, "labels": np.arange(n_images) % 5, "text_image_ids": np.repeat(ids, 2),
               "caption_index": np.tile([0, 1], n_images)}
@@ -48,7 +64,11 @@ def test_the_evaluation_suite_runs_on_the_embeddings_device():
     assert on_gpu.image.device.type == "cuda"
     fusion = NormalizedSumFusion()
     expected = evaluate_split(on_cpu, fusion).metrics
-    assert evaluate_split(on_gpu, fusion.to(CUDA)).metrics == pytest.approx(expected, abs=1e-9)
+    got = evaluate_split(on_gpu, fusion.to(CUDA)).metrics
+    fused = {k for k in expected if k.startswith("grid_") and "fused" in k}
+    assert same_metrics({k: v for k, v in got.items() if k not in fused},
+                        {k: v for k, v in expected.items() if k not in fused})
+    assert all(abs(got[k] - expected[k]) <= 100 / n_images + 1e-9 for k in fused)
     assert on_gpu.to("cpu").image.device.type == "cpu"
 
 
