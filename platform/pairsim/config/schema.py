@@ -309,6 +309,10 @@ class EvalConfig(Section):
                             "highest), e.g. rsum, t2i_R@1, i2t_mAP@R, t2t_R-P, i2i_R@5, grid_text2fused_R@1")
     concurrency: Int = Field(1, ge=1, description="Ray Data actors embedding a split for the end-of-run and "
                                                   "standalone evaluations")
+    val_cache_gib: Float = Field(
+        1.0, ge=0.0, description="the val split's decoded pixels and tokens, as epoch 1 read them, kept on each "
+                                 "training worker's device up to this size, so later epochs' validations embed them "
+                                 "without Ray Data reading and decoding the split again; 0: read it every epoch")
 
     @model_validator(mode="after")
     def _known_metric(self) -> EvalConfig:

@@ -43,7 +43,9 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
     every embedding the model gives (float32 arrays; with ``to_host=False`` float32 tensors left
     on ``device``, no wait for the GPU), named as :class:`SplitEmbeddings` fields. Arrays Ray Data
     hands over read-only (views of Arrow buffers) are copied: torch warns on each otherwise."""
-    def tensor(array: np.ndarray) -> torch.Tensor:
+    def tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+        if isinstance(array, torch.Tensor):  # kept on the device from an earlier epoch (worker.ValInputs)
+            return array.to(device)
         return torch.from_numpy(np.require(array, requirements="W")).to(device, non_blocking=True)
 
     if "pixels" in batch:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import functools
 import pickle
 import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 import ray.train
 import torch
@@ -152,10 +155,60 @@ def teacher_embeddings(batch: dict[str, torch.Tensor], live: dict[str, Teacher],
     return out
 
 
-def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbeddings:
+class ValInputs:
+    """The val split's model inputs — decoded pixels, tokens and their ids, batch by batch — as
+    Ray Data gives them (:func:`pairsim.data.ingest.eval_images` / ``eval_texts``), and, once a
+    whole pass has fitted ``budget_bytes``, as kept on ``device`` from it: the split does not
+    change between epochs, so later validations embed the kept batches instead of reading and
+    decoding it again. A pass over the budget stops keeping for good."""
+
+    MODEL_INPUTS = ("pixels", "tokens")
+
+    def __init__(self, read: Callable[[], Iterable[dict[str, np.ndarray]]], budget_bytes: float,
+                 device: torch.device):
+        self.read, self.budget, self.device = read, budget_bytes, device
+        self.kept: list[dict[str, np.ndarray | torch.Tensor]] | None = None
+        self.keeping = budget_bytes > 0
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray | torch.Tensor]]:
+        if self.kept is not None:
+            yield from self.kept
+            return
+        kept: list[dict[str, np.ndarray | torch.Tensor]] | None = [] if self.keeping else None
+        size = 0
+        for batch in self.read():
+            if kept is not None:
+                size += sum(batch[k].nbytes for k in self.MODEL_INPUTS if k in batch)
+                if size > self.budget:  # the split is larger than the budget: read it every epoch
+                    kept, self.keeping = None, False
+                else:
+                    batch = self._on_device(batch)
+                    kept.append(batch)
+            yield batch
+        if kept is not None:
+            self.kept = kept
+
+    def _on_device(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+        return {k: torch.from_numpy(np.require(v, requirements="W")).to(self.device) if k in self.MODEL_INPUTS else v
+                for k, v in batch.items()}
+
+
+def val_inputs(cfg: RunConfig, device: torch.device) -> ValInputs:
+    """This worker's :class:`ValInputs` of the val split: its images' batches, then its captions'."""
+    def read():
+        for name in ("val_images", "val_texts"):
+            for batch in ray.train.get_dataset_shard(name).iter_batches(batch_size=cfg.eval.batch_size,
+                                                                        batch_format="numpy"):
+                if len(batch["image_id"]):  # a batch whose images were all unreadable is empty
+                    yield batch
+
+    return ValInputs(read, cfg.eval.val_cache_gib * 2**30, device)
+
+
+def embed_split(engine, cfg: RunConfig, dtype: torch.dtype, inputs: ValInputs) -> suite.SplitEmbeddings:
     """The val split's image and caption embeddings (uni-modal ones too, when the model has
-    heads for them), computed on every rank and left on its device (the GPU's, where the
-    evaluation then runs).
+    heads for them), computed on every rank from ``inputs`` and left on its device (the GPU's,
+    where the evaluation then runs).
 
     Every rank runs the same forwards over the whole split, which keeps ZeRO-3's parameter
     gathering in step; rank 0 uses the result.
@@ -164,22 +217,44 @@ def embed_split(engine, cfg: RunConfig, dtype: torch.dtype) -> suite.SplitEmbedd
     engine.eval()
     with torch.no_grad():
         batches = [inference.embed_batch(engine, batch, normalize, engine.device, dtype, to_host=False)
-                   for name in ("val_images", "val_texts")
-                   for batch in ray.train.get_dataset_shard(name).iter_batches(
-                       batch_size=cfg.eval.batch_size, batch_format="numpy")
-                   if len(batch["image_id"])]  # a batch whose images were all unreadable is empty
+                   for batch in inputs]
     engine.train()
     return suite.SplitEmbeddings.from_batches(batches)
 
 
-def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger | None,
-             step: int, epoch: int) -> dict[str, float]:
+class EpochPictures:
+    """Rank 0's per-epoch pictures drawn and logged by one background thread, so the next epoch
+    trains while matplotlib draws (host work the GPU waited for); an epoch's drawing error is
+    raised at the next ``submit`` or at ``close``, which waits for the last epoch's pictures."""
+
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pairsim-pictures")
+        self._pending: Future | None = None
+
+    def submit(self, draw: Callable[[], None]) -> None:
+        self.wait()
+        self._pending = self._executor.submit(draw)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+
+def validate(engine, cfg: RunConfig, dtype: torch.dtype, inputs: ValInputs, ledger, run: RunLogger | None,
+             pictures: EpochPictures | None, step: int, epoch: int) -> dict[str, float]:
     """The val split's evaluation suite (:func:`pairsim.eval.suite.evaluate_split`) and the
     skipped-image count, logged on rank 0 ({} on other ranks) and returned; also logged, not
-    returned: the positive vs hardest-negative similarities of (1-based) ``epoch``
-    (:func:`pairsim.eval.similarity.log_similarities`), the modality-grid heatmap and a retrieval
-    gallery (:func:`pairsim.eval.report.log_pictures`)."""
-    embeddings = embed_split(engine, cfg, dtype)
+    returned, by ``pictures``' thread: the positive vs hardest-negative similarities of (1-based)
+    ``epoch`` (:func:`pairsim.eval.similarity.log_similarities`), the modality-grid heatmap and a
+    retrieval gallery (:func:`pairsim.eval.report.log_pictures`)."""
+    embeddings = embed_split(engine, cfg, dtype, inputs)
     if run is None:
         return {}
     report = suite.evaluate_split(embeddings, retrieval.fusion_module(engine.module.model, cfg.model), cfg.eval.ks)
@@ -196,10 +271,14 @@ def validate(engine, cfg: RunConfig, dtype: torch.dtype, ledger, run: RunLogger 
                        "data/skipped_images.json", len(skipped), next(iter(skipped.items())))
     pictured = run.logged_before(selection_metric(cfg), step)  # by an attempt lost after its validation
     run.log_metrics(metrics, step)
-    similarity.log_similarities(run, embeddings, step, epoch)
-    if not pictured:
-        rows = functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split)
-        log_pictures(run, report, embeddings, rows, "val", step, title=f"val, epoch {epoch}")
+
+    def draw() -> None:
+        similarity.log_similarities(run, embeddings, step, epoch)
+        if not pictured:
+            rows = functools.partial(shards.read_rows, cfg.data.split_path(cfg.data.val_split), cfg.data.val_split)
+            log_pictures(run, report, embeddings, rows, "val", step, title=f"val, epoch {epoch}")
+
+    pictures.submit(draw)
     return metrics
 
 
@@ -229,6 +308,8 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                      continues_run=True) if rank == 0 else None)
     ledger = ray.get_actor(job.ledger)
     normalize = clip.PixelNormalizer(cfg.model)
+    pictures = EpochPictures() if run else None
+    val = val_inputs(cfg, engine.device)
     clock.lap("worker_mlflow")
 
     try:
@@ -288,7 +369,7 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                         "micro-batch a rank is what drop_last leaves)", epoch + 1, audited["data/epoch_pairs"],
                         audited["data/epoch_pairs_repeated"], audited["data/epoch_images_unseen"])
             train_s = epoch_seconds(epoch_started, engine.device)
-            metrics = validate(engine, cfg, dtype, ledger, run, step, epoch + 1)
+            metrics = validate(engine, cfg, dtype, val, ledger, run, pictures, step, epoch + 1)
             val_s = epoch_seconds(epoch_started, engine.device) - train_s
             card = None
             if run:
@@ -301,5 +382,8 @@ def train_loop_per_worker(loop_config: dict[str, bytes]) -> None:
                                             epoch=epoch + 1, step=step, val=metrics)
             checkpoints.save_checkpoint(engine, epoch, step, card, metrics)
     finally:
-        if run:  # what is buffered goes to MLflow (or its spill file), also when a step failed
-            run.close()
+        if run:  # the last pictures, then what is buffered, go to MLflow (or its spill file), also when a step failed
+            try:
+                pictures.close()
+            finally:
+                run.close()
