@@ -21,7 +21,8 @@ optimizer). Peak GPU memory is torch's allocator peak in the training process.
 
 ``--synthetic``: pairsim's step (the worker's: normalise, forward, loss, backward, optimizer,
 temperature clamp) on uint8 pixels and tokens made once on the device, timed over the same
-5-step windows (the device synchronised at each window's ends), in this process, one engine
+5-step windows (the device synchronised at each window's ends) of as many steps as the real
+run's epoch (at least two windows after the warm-up), in this process, one engine
 after another: ZeRO-0 (the ceiling of the real run), each of ``--synthetic-stages``, and with
 ``--compile`` ZeRO-0 with ``train.compile: true`` (the towers through ``torch.compile``; its
 first window holds the compilation). Results go to ``bench_train.json`` on the CPU,
@@ -228,7 +229,7 @@ def main() -> None:
     for name, overrides in variants.items() if args.synthetic else ():
         try:
             synthetic[name] = run_synthetic(pairsim_config(dataset, out, args, *overrides),
-                                            steps=WARMUP_STEPS + 6 * LOG_EVERY)
+                                            steps=max(args.images // args.batch_size, WARMUP_STEPS + 2 * LOG_EVERY))
         except Exception as exc:  # the other rows still count; the failure is the row's finding
             traceback.print_exc()
             synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
