@@ -25,6 +25,8 @@ from mlflow.tracking import MlflowClient
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
+from pairsim.cli import DEMO_CONFIG
+from pairsim.config import load_config
 from pairsim.data import shards
 from pairsim.tracking import metric_key
 
@@ -60,8 +62,8 @@ def main() -> None:
     seconds = time.perf_counter() - started
 
     tables = read_tables(out, seconds)
-    on_gpu = "train.use_gpu=true" in args.overrides
-    results.publish("bench_demo_gpu" if on_gpu else "bench_demo", tables, args.results, seconds, script="bench_demo")
+    results.publish("bench_demo", tables, args.results, seconds,
+                    on_gpu=load_config(DEMO_CONFIG, args.overrides).train.use_gpu)
 
 
 def read_tables(out: Path, seconds: float) -> list[results.Table]:

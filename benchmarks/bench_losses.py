@@ -163,8 +163,8 @@ def main() -> None:
                            "inputs, in B×B float32 matrices (CUDA's allocator peak, or on CPU torch.profiler's record of "
                            "every allocation); sims: the similarity matrices the loss must hold, +grads: with their "
                            "gradients (the floor for any autograd implementation).")
-    results.publish("bench_losses_gpu" if args.device.startswith("cuda") else "bench_losses", tables, args.results,
-                    time.perf_counter() - started, script="bench_losses")
+    results.publish("bench_losses", tables, args.results, time.perf_counter() - started,
+                    on_gpu=args.device.startswith("cuda"))
 
 
 if __name__ == "__main__":

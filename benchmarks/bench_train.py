@@ -218,9 +218,8 @@ def main() -> None:
     synthetic: dict[str, dict[str, float] | str] = {}  # a failure's message in place of its figures
 
     def publish() -> None:  # after each measurement: a run stopped at its time limit keeps what it measured
-        results.publish("bench_train_gpu" if args.device == "cuda" else "bench_train",
-                        tables(args, size, measured, real, synthetic), args.results, time.perf_counter() - started,
-                        script="bench_train")
+        results.publish("bench_train", tables(args, size, measured, real, synthetic), args.results,
+                        time.perf_counter() - started, on_gpu=args.device == "cuda")
 
     publish()
     variants = {real: ()} | {f"ZeRO-{stage}": (f"train.zero_stage={stage}",) for stage in args.synthetic_stages}

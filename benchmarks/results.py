@@ -125,10 +125,11 @@ def render_table(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def publish(name: str, tables: list[Table], directory: Path, seconds: float, script: str | None = None) -> dict[str, Any]:
-    """Print the tables and write ``<directory>/<name>.json`` and ``.md`` (``script``: the
-    benchmark that wrote them when it is not ``<name>.py``); returns the JSON."""
-    command = " ".join(["python", f"benchmarks/{script or name}.py", *sys.argv[1:]])
+def publish(name: str, tables: list[Table], directory: Path, seconds: float, on_gpu: bool = False) -> dict[str, Any]:
+    """Print the tables of ``benchmarks/<name>.py`` and write ``<directory>/<name>.json`` and
+    ``.md`` (``<name>_gpu.*`` for a run on a GPU, beside the CPU's); returns the JSON."""
+    command = " ".join(["python", f"benchmarks/{name}.py", *sys.argv[1:]])
+    name = f"{name}_gpu" if on_gpu else name
     result = {"benchmark": name, "command": _as_rerun(command), "seconds": seconds,
               "environment": environment(), "tables": [asdict(t) for t in tables]}
     directory.mkdir(parents=True, exist_ok=True)
