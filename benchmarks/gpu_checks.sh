@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements of issue 25, as one device call (docs/gpu.md says how to run it):
 #
-#   bash benchmarks/gpu_checks.sh checks [SECONDS]   # the demo, doctor, GPU tests, losses, bench_train
-#   bash benchmarks/gpu_checks.sh sweep [SECONDS]    # the demo sweep, 4 trials sharing the GPU
+#   bash benchmarks/gpu_checks.sh checks [SECONDS]   # the demo, doctor, GPU tests, bench_train
+#   bash benchmarks/gpu_checks.sh sweep [SECONDS]    # the demo sweep, 4 trials sharing the GPU; a ZeRO-3 epoch
+#   bash benchmarks/gpu_checks.sh losses [SECONDS]   # bench_losses (rerun when platform/pairsim/losses changes)
 #
 # Run from the project root on the GPU machine, with the dependency bundle carried in .gpu/
 # (../shared/tools/gpu-bundle). pydantic's typing_inspection was missing there on 2026-11-26 though
@@ -37,23 +38,30 @@ echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')" | tee -a "$OUT/log.txt
 
 case $mode in
 checks)
-  # the demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-6} epochs, its data made with
+  # the demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-3} epochs, its data made with
   # more CPUs; beside it the checks that time nothing, then the benchmarks alone on the GPU
   (logfile=$OUT/demo.txt; step 220 python3 benchmarks/bench_demo.py --set train.use_gpu=true \
     --set train.num_workers=1 --set train.precision=bf16 --set ray.data_cpus=12 \
-    --set train.epochs="${DEMO_EPOCHS:-6}" --out /tmp/bench_demo --results "$OUT") >/dev/null &
+    --set train.epochs="${DEMO_EPOCHS:-3}" --out /tmp/bench_demo --results "$OUT") >/dev/null &
   demo=$!
   step 60 python3 -m pairsim.cli doctor --set train.use_gpu=true --set train.precision=bf16 --set train.num_workers=1
   step 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
   wait $demo
-  step 60 python3 benchmarks/bench_losses.py --sizes 1024 4096 --repeats 21 --results "$OUT"
   step 400 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
     --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic --synthetic-stages 3 --compile \
     --out /tmp/bench_train --results "$OUT"
   ;;
 sweep)
   step 400 python3 -m pairsim.cli demo --sweep --set train.use_gpu=true --set train.num_workers=1 \
+    --set train.precision=bf16 \
     --set train.gpus_per_worker=0.25 --set sweep.num_samples=4 --set sweep.max_concurrent_trials=4
+  # an epoch under ZeRO-3 and bf16 through Ray Train, on the sweep's dataset
+  step 150 python3 -m pairsim.cli train --config platform/pairsim/configs/demo.yaml --set data.path=data/shapes-sweep \
+    --set data.test_split=null --set train.use_gpu=true --set train.num_workers=1 --set train.precision=bf16 \
+    --set train.zero_stage=3 --set train.epochs=1 --set ray.run_name=zero3-bf16
+  ;;
+losses)
+  step 120 python3 benchmarks/bench_losses.py --sizes 1024 4096 --repeats 21 --results "$OUT"
   ;;
 esac
 log "done"
