@@ -4,7 +4,8 @@ GPU also against pairsim's own step on pre-made device tensors (its ceiling).
 
     python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
     python benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
-        --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic [--compile]
+        --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic [--compile] \
+        [--synthetic-stages 3] [--synthetic-precisions amp_bf16]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
 ``open_clip_train`` reads. Both tools get the same compute threads and data workers (open_clip's
@@ -15,16 +16,16 @@ pairsim's ``train/samples_per_s``, open_clip_train's batch size over its "Batch 
 step time since its last log line; its "/s" figure is the last step's alone). Both windows hold
 the data waits and the logging of the previous line. Start-up is the time from launching the
 tool until its first training step has finished (open_clip_train's first log line; pairsim's
-``perf/startup_s``, logged then). Precision bf16 is open_clip_train's ``amp_bf16`` (float32
-weights, bf16 autocast) and pairsim's DeepSpeed bf16 (bf16 weights, float32 master copy in the
-optimizer). Peak GPU memory is torch's allocator peak in the training process.
+``perf/startup_s``, logged then). open_clip_train runs bf16 as ``amp_bf16`` (float32 weights,
+bf16 autocast); pairsim runs ``--precision bf16`` as DeepSpeed's bf16 (bf16 weights, float32
+master copy in the optimizer) and ``amp_bf16`` as open_clip does. Peak GPU memory is torch's allocator peak in the training process.
 
 ``--synthetic``: pairsim's step (the worker's: normalise, forward, loss, backward, optimizer,
 temperature clamp) on uint8 pixels and tokens made once on the device, timed over the same
 5-step windows (the device synchronised at each window's ends) of as many steps as the real
 run's epoch (at least two windows after the warm-up), in this process, one engine
-after another: ZeRO-0 (the ceiling of the real run), each of ``--synthetic-stages``, and with
-``--compile`` ZeRO-0 with ``train.compile: true`` (the towers through ``torch.compile``; its
+after another: ZeRO-0 (the ceiling of the real run), each of ``--synthetic-stages``, ZeRO-0 in
+each of ``--synthetic-precisions``, and with ``--compile`` ZeRO-0 with ``train.compile: true`` (the towers through ``torch.compile``; its
 first window holds the compilation). Results go to ``bench_train.json`` on the CPU,
 ``bench_train_gpu.json`` on a GPU.
 """
@@ -56,7 +57,7 @@ from pairsim.models import clip
 
 WARMUP_STEPS = 10
 LOG_EVERY = 5
-OPEN_CLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16"}
+OPEN_CLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16", "amp_bf16": "amp_bf16"}  # pairsim's → open_clip's
 
 
 def export_csv(dataset: Path, out: Path) -> Path:
@@ -197,6 +198,8 @@ def main() -> None:
     parser.add_argument("--synthetic", action="store_true", help="also pairsim's step on pre-made device tensors")
     parser.add_argument("--synthetic-stages", type=int, nargs="*", default=[], choices=[1, 2, 3],
                         help="with --synthetic: also the step under these ZeRO stages")
+    parser.add_argument("--synthetic-precisions", nargs="*", default=[], choices=list(OPEN_CLIP_PRECISION),
+                        help="with --synthetic: also the ZeRO-0 step in these train.precision values")
     parser.add_argument("--compile", action="store_true", help="with --synthetic: also the step with train.compile")
     parser.add_argument("--out", type=Path, default=Path("bench_out/train"))
     results.add_results_argument(parser)
@@ -222,7 +225,8 @@ def main() -> None:
                         time.perf_counter() - started, on_gpu=args.device == "cuda")
 
     publish()
-    variants = {real: ()} | {f"ZeRO-{stage}": (f"train.zero_stage={stage}",) for stage in args.synthetic_stages}
+    variants = ({real: ()} | {f"ZeRO-{stage}": (f"train.zero_stage={stage}",) for stage in args.synthetic_stages}
+                | {f"ZeRO-0, {p}": (f"train.precision={p}",) for p in args.synthetic_precisions if p != args.precision})
     if args.compile:
         variants["ZeRO-0, train.compile"] = ("train.compile=true",)
     for name, overrides in variants.items() if args.synthetic else ():

@@ -197,7 +197,8 @@ def test_deepspeed_passthrough_is_merged_and_parsed_by_deepspeed():
 
 @pytest.mark.parametrize("key,field", [("zero_optimization: {stage: 3}", "train.zero_stage"),
                                        ("gradient_accumulation_steps: 2", "train.accumulate_steps"),
-                                       ("optimizer: {type: SGD}", "optim")])
+                                       ("optimizer: {type: SGD}", "optim"),
+                                       ("torch_autocast: {enabled: true}", "train.precision")])
 def test_deepspeed_passthrough_refuses_keys_pairsim_sets(key, field):
     with pytest.raises(ConfigError, match=rf"train.deepspeed: .*\(set {field}"):
         run_config("infonce", f"train.deepspeed={{{key}}}")

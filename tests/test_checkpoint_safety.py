@@ -60,13 +60,13 @@ def test_a_file_that_is_no_torch_zip_is_refused(tmp_path):
 
 
 def _save_and_reload(rank, world, directory):
-    """Every file a DeepSpeed engine writes with pairsim's config (ZeRO 0–3 × fp32/bf16) passes
+    """Every file a DeepSpeed engine writes with pairsim's config (ZeRO 0–3 × fp32/bf16/amp_bf16) passes
     the check, and the engine loads the checkpoint back."""
     import deepspeed
 
     written = {}
     for stage in range(4):
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "amp_bf16"):
             cfg = load_config(None, [f"train.zero_stage={stage}", f"train.precision={precision}",
                                      "train.micro_batch_size=2"])
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
@@ -85,7 +85,7 @@ def _save_and_reload(rank, world, directory):
 @pytest.mark.slow
 def test_every_checkpoint_deepspeed_writes_passes(tmp_path):
     written = on_gloo_ranks(_save_and_reload, str(tmp_path), world=1)[0]
-    assert len(written) == 8 and all(any("model_states" in f for f in files) for files in written.values())
+    assert len(written) == 12 and all(any("model_states" in f for f in files) for files in written.values())
     assert any("optim_states" in f for f in written[3, "bf16"])
 
 

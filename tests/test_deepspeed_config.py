@@ -7,7 +7,7 @@ from pairsim.train.engine import deepspeed_config
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "amp_bf16"])
 def test_derived_config_is_what_deepspeed_parses(stage, precision):
     from deepspeed.runtime.config import DeepSpeedConfig
 
@@ -18,6 +18,9 @@ def test_derived_config_is_what_deepspeed_parses(stage, precision):
     assert parsed.zero_optimization_stage == stage
     assert parsed.bfloat16_config.enabled == (precision == "bf16")
     assert parsed.float16_config.enabled == (precision == "fp16")
+    assert parsed.torch_autocast_enabled == (precision == "amp_bf16")
+    if precision == "amp_bf16":
+        assert parsed.torch_autocast_dtype == torch.bfloat16
     assert parsed.gradient_clipping == 0.5
     assert parsed.train_micro_batch_size_per_gpu == 48 and parsed.gradient_accumulation_steps == 1
     assert parsed.optimizer_name == "adamw" and parsed.optimizer_params["lr"] == 3e-4
@@ -70,6 +73,46 @@ def test_deepspeed_steps_torch_fused_adamw():
 
     for name, fused, moved in on_gloo_ranks(_fused_engine, world=1).values():
         assert (name, fused, moved) == ("AdamW", True, True)
+
+
+def _amp_engines(rank, world):
+    """pairsim's engine under ``train.precision: amp_bf16`` (ZeRO-0 and ZeRO-2): its loss against
+    the same module called by hand under ``torch.autocast`` to bfloat16 and in plain float32; the
+    weights' dtype before and after a step."""
+    from pairsim.train import engine as engines
+    from test_train import fixed_inputs
+
+    out = {}
+    for stage in (0, 2):
+        cfg = load_config(None, ["model.arch=pairsim-tiny", "train.precision=amp_bf16", f"train.zero_stage={stage}",
+                                 "train.micro_batch_size=6", "optim.warmup_steps=0"])
+        engine = engines.create_engine(cfg, deepspeed_config(cfg.train, cfg.optim, total_steps=10))
+        pixels, tokens = fixed_inputs(cfg)
+        batch = {"image": pixels.to(engines.DTYPES["amp_bf16"]), "text": tokens, "group_ids": torch.arange(6)}
+        loss = engine(**batch)["loss"]
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                by_hand = engine.module(**batch)["loss"]
+            in_fp32 = engine.module(**batch)["loss"]
+            embedded = engine(image=pixels)["image"]
+        before = engine.module.model.clip.visual.conv1.weight.detach().clone()
+        engine.backward(loss)
+        engine.step()
+        after = engine.module.model.clip.visual.conv1.weight
+        out[stage] = {"loss": loss.item(), "by_hand": by_hand.item(), "fp32": in_fp32.item(),
+                      "embedding_dtype": str(embedded.dtype), "weights": {str(p.dtype) for p in engine.module.parameters()},
+                      "moved": bool((after != before).any())}
+    return out
+
+
+def test_amp_bf16_runs_the_forward_under_autocast_with_float32_weights():
+    from conftest import on_gloo_ranks
+
+    for stage, got in on_gloo_ranks(_amp_engines, world=1)[0].items():
+        assert got["loss"] == got["by_hand"], stage  # the engine's autocast is torch's, bit for bit
+        assert got["loss"] != got["fp32"] and got["loss"] == pytest.approx(got["fp32"], rel=0.05), stage
+        assert got["embedding_dtype"] == "torch.bfloat16", stage  # the projection ran in bfloat16
+        assert got["weights"] == {"torch.float32"} and got["moved"], stage
 
 
 @pytest.mark.parametrize("raw,expected,crashed", [("9.0a", "9.0", True), ("8.6 9.0a+PTX", "8.6;9.0+PTX", True),

@@ -59,9 +59,11 @@ def gpus(cfg: RunConfig) -> list[Finding]:
         found.append(Finding(f"GPU {index}", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
                                              f"compute capability {props.major}.{props.minor}"))
     found.append(Finding("NCCL", ".".join(map(str, torch.cuda.nccl.version()))))
-    no_bf16 = cfg.train.use_gpu and cfg.train.precision == "bf16" and not torch.cuda.is_bf16_supported()
+    no_bf16 = (cfg.train.use_gpu and cfg.train.precision in ("bf16", "amp_bf16")
+               and not torch.cuda.is_bf16_supported())
     found.append(Finding("bf16", "supported" if torch.cuda.is_bf16_supported() else
-                         "not supported" + (": train.precision=bf16 cannot run; use fp16 or fp32" if no_bf16 else ""),
+                         "not supported" + (f": train.precision={cfg.train.precision} cannot run; use fp16 or fp32"
+                                            if no_bf16 else ""),
                          blocking=no_bf16))
     wanted = cfg.train.num_workers * cfg.train.gpus_per_worker
     short = cfg.train.use_gpu and clusters.starts_local_instance(cfg) and wanted > torch.cuda.device_count()

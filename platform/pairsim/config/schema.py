@@ -240,6 +240,7 @@ DEEPSPEED_OWNED_KEYS = {
     "zero_optimization.stage": "train.zero_stage",
     "bf16.enabled": "train.precision",
     "fp16.enabled": "train.precision",
+    "torch_autocast": "train.precision",
     "optimizer": "optim.*",
     "scheduler": "optim.*",
 }
@@ -258,7 +259,10 @@ class TrainConfig(Section):
     epochs: Int = Field(1, ge=1)
     micro_batch_size: Int = Field(64, ge=2, description="rows per worker per step")
     zero_stage: Int = Field(2, ge=0, le=3)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16", "amp_bf16"] = Field(
+        "fp32", description="bf16/fp16: DeepSpeed keeps the weights in that type, fp32 master copies in its "
+                            "optimizer; amp_bf16: fp32 weights, forward and loss under torch.autocast to bfloat16 "
+                            "(DeepSpeed's torch_autocast; open_clip_train's --precision amp_bf16)")
     accumulate_steps: Int = Field(
         1, ge=1, description="micro-batches per optimizer step (the global batch is micro_batch_size × "
                              "num_workers × accumulate_steps)")

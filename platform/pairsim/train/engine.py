@@ -25,7 +25,9 @@ from pairsim.models.retrieval import RetrievalModel
 from pairsim.train import checkpoints
 
 logger = log.get_logger("train")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "amp_bf16": torch.float32}
+"""The dtype of the module's weights, and of the pixels given to it, for each ``train.precision``
+(under ``amp_bf16`` autocast casts inside the forward)."""
 
 
 class TrainingModule(torch.nn.Module):
@@ -60,6 +62,7 @@ def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -
         "zero_optimization": {"stage": train.zero_stage},
         "bf16": {"enabled": train.precision == "bf16"},
         "fp16": {"enabled": train.precision == "fp16"},
+        "torch_autocast": {"enabled": train.precision == "amp_bf16", "dtype": "bfloat16"},
         "optimizer": {
             "type": "AdamW",
             # torch_adam: DeepSpeed builds torch.optim.AdamW with the other params (fused: one kernel on GPU)
