@@ -4,8 +4,8 @@ GPU also against pairsim's own step on pre-made device tensors (its ceiling).
 
     python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
     python benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
-        --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic [--compile] \
-        [--synthetic-stages 3] [--synthetic-precisions amp_bf16]
+        --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
+        [--variants train.zero_stage=3 train.precision=amp_bf16 train.compile=true optim.grad_clip=0]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
 ``open_clip_train`` reads. Both tools get the same compute threads and data workers (open_clip's
@@ -16,7 +16,8 @@ pairsim's ``train/samples_per_s``, open_clip_train's batch size over its "Batch 
 step time since its last log line; its "/s" figure is the last step's alone). Both windows hold
 the data waits and the logging of the previous line. Start-up is the time from launching the
 tool until its first training step has finished (open_clip_train's first log line; pairsim's
-``perf/startup_s``, logged then). open_clip_train runs bf16 as ``amp_bf16`` (float32 weights,
+``perf/startup_s``, logged then). Both clip the gradients' global norm at pairsim's default
+``optim.grad_clip`` (open_clip_train's ``--grad-clip-norm``). open_clip_train runs bf16 as ``amp_bf16`` (float32 weights,
 bf16 autocast); pairsim runs ``--precision bf16`` as DeepSpeed's bf16 (bf16 weights, float32
 master copy in the optimizer) and ``amp_bf16`` as open_clip does. Peak GPU memory is torch's allocator peak in the training process.
 
@@ -24,9 +25,10 @@ master copy in the optimizer) and ``amp_bf16`` as open_clip does. Peak GPU memor
 temperature clamp) on uint8 pixels and tokens made once on the device, timed over the same
 5-step windows (the device synchronised at each window's ends) of as many steps as the real
 run's epoch (at least two windows after the warm-up), in this process, one engine
-after another: ZeRO-0 (the ceiling of the real run), each of ``--synthetic-stages``, ZeRO-0 in
-each of ``--synthetic-precisions``, and with ``--compile`` ZeRO-0 with ``train.compile: true`` (the towers through ``torch.compile``; its
-first window holds the compilation). Results go to ``bench_train.json`` on the CPU,
+after another: the real run's config (its ceiling), then that config with each of
+``--variants`` (comma-separated overrides each: ``train.zero_stage=3``,
+``train.precision=amp_bf16``, ``train.compile=true`` — whose first window holds the compilation —
+``optim.grad_clip=0``, …). Results go to ``bench_train.json`` on the CPU,
 ``bench_train_gpu.json`` on a GPU.
 """
 
@@ -82,6 +84,7 @@ def run_open_clip_train(table: Path, out: Path, args) -> dict[str, float]:
             "--csv-caption-key", "title", "--model", args.model, "--batch-size", str(args.batch_size),
             "--epochs", "1", "--workers", str(args.data_workers), "--device", args.device,
             "--precision", OPEN_CLIP_PRECISION[args.precision], "--lr", "1e-3", "--warmup", "10", "--wd", "0.1",
+            "--grad-clip-norm", str(load_config(None).optim.grad_clip),  # pairsim's default clipping
             "--log-every-n-steps", str(LOG_EVERY), "--save-frequency", "0", "--zeroshot-frequency", "0",
             "--val-frequency", "0", "--logs", str(out / "open_clip_logs"),
             "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(args.images)]
@@ -196,14 +199,13 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, help="of the generated images (default: the model's input)")
     parser.add_argument("--precision", choices=list(OPEN_CLIP_PRECISION), default="fp32")
     parser.add_argument("--synthetic", action="store_true", help="also pairsim's step on pre-made device tensors")
-    parser.add_argument("--synthetic-stages", type=int, nargs="*", default=[], choices=[1, 2, 3],
-                        help="with --synthetic: also the step under these ZeRO stages")
-    parser.add_argument("--synthetic-precisions", nargs="*", default=[], choices=list(OPEN_CLIP_PRECISION),
-                        help="with --synthetic: also the ZeRO-0 step in these train.precision values")
-    parser.add_argument("--compile", action="store_true", help="with --synthetic: also the step with train.compile")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="with --synthetic: also the step with these config overrides, one variant each")
     parser.add_argument("--out", type=Path, default=Path("bench_out/train"))
     results.add_results_argument(parser)
     args = parser.parse_args()
+    for variant in args.variants:  # a bad key fails here, before any run
+        pairsim_config(Path("."), Path("."), args, *variant.split(","))
     started = time.perf_counter()
     out = args.out.resolve()
     size = args.image_size or clip.preprocess_cfg(load_config(None, [f"model.arch={args.model}"]).model).size
@@ -225,10 +227,7 @@ def main() -> None:
                         time.perf_counter() - started, on_gpu=args.device == "cuda")
 
     publish()
-    variants = ({real: ()} | {f"ZeRO-{stage}": (f"train.zero_stage={stage}",) for stage in args.synthetic_stages}
-                | {f"ZeRO-0, {p}": (f"train.precision={p}",) for p in args.synthetic_precisions if p != args.precision})
-    if args.compile:
-        variants["ZeRO-0, train.compile"] = ("train.compile=true",)
+    variants = {real: ()} | {variant: tuple(variant.split(",")) for variant in args.variants}
     for name, overrides in variants.items() if args.synthetic else ():
         try:
             synthetic[name] = run_synthetic(pairsim_config(dataset, out, args, *overrides),

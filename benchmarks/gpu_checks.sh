@@ -48,8 +48,8 @@ checks)
   step 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
   wait $demo
   step 400 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
-    --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic --synthetic-stages 3 \
-    --synthetic-precisions amp_bf16 --compile \
+    --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
+    --variants train.precision=amp_bf16 optim.grad_clip=0 train.zero_stage=3 train.compile=true \
     --out /tmp/bench_train --results "$OUT"
   ;;
 sweep)
