@@ -53,7 +53,7 @@ import torch
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 
-from pairsim.config import RunConfig, load_config
+from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.data import shards, synth
 from pairsim.models import clip
 
@@ -205,7 +205,10 @@ def main() -> None:
     results.add_results_argument(parser)
     args = parser.parse_args()
     for variant in args.variants:  # a bad key fails here, before any run
-        pairsim_config(Path("."), Path("."), args, *variant.split(","))
+        try:
+            pairsim_config(Path("."), Path("."), args, *variant.split(","))
+        except ConfigError as exc:
+            parser.error(f"--variants {variant}: {exc}")
     started = time.perf_counter()
     out = args.out.resolve()
     size = args.image_size or clip.preprocess_cfg(load_config(None, [f"model.arch={args.model}"]).model).size
