@@ -2,7 +2,7 @@
 training script (``open_clip_train``) on the same model, data and batch size, in one run; on a
 GPU also against pairsim's own step on pre-made device tensors (its ceiling).
 
-    python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2]
+    python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2] [--repeats 3]
     python benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
         --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
         [--variants train.zero_stage=3 train.precision=amp_bf16 train.compile=true optim.grad_clip=0]
@@ -14,7 +14,8 @@ log every 5 steps. Steady-state samples/s is the median, over the 5-step logging
 start after step 10, of the window's samples over its time — each tool's own figure for it:
 pairsim's ``train/samples_per_s``, open_clip_train's batch size over its "Batch (t)" (the mean
 step time since its last log line; its "/s" figure is the last step's alone). Both windows hold
-the data waits and the logging of the previous line. Start-up is the time from launching the
+the data waits and the logging of the previous line. With ``--repeats N`` each tool runs N times,
+the two in turn, and each figure is its median over the N runs. Start-up is the time from launching the
 tool until its first training step has finished (open_clip_train's first log line; pairsim's
 ``perf/startup_s``, logged then). Both clip the gradients' global norm at pairsim's default
 ``optim.grad_clip`` (open_clip_train's ``--grad-clip-norm``). open_clip_train runs bf16 as ``amp_bf16`` (float32 weights,
@@ -198,6 +199,8 @@ def main() -> None:
     parser.add_argument("--model", default="pairsim-tiny", help="an open_clip architecture")
     parser.add_argument("--image-size", type=int, help="of the generated images (default: the model's input)")
     parser.add_argument("--precision", choices=list(OPEN_CLIP_PRECISION), default="fp32")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each tool, taken in turn; the table gives each figure's median over them")
     parser.add_argument("--synthetic", action="store_true", help="also pairsim's step on pre-made device tensors")
     parser.add_argument("--variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="with --synthetic: also the step with these config overrides, one variant each")
@@ -221,8 +224,11 @@ def main() -> None:
         export_csv(dataset, table.parent)
 
     real = f"pairsim (1 worker, ZeRO-0, {args.precision})"
-    measured = {"open_clip_train (baseline)": run_open_clip_train(table, out, args),
-                real: run_pairsim(pairsim_config(dataset, out, args))}
+    runs: dict[str, list[dict[str, float]]] = {"open_clip_train (baseline)": [], real: []}
+    for _ in range(args.repeats):  # in turn, so a slow spell of the machine falls on both
+        runs["open_clip_train (baseline)"].append(run_open_clip_train(table, out, args))
+        runs[real].append(run_pairsim(pairsim_config(dataset, out, args)))
+    measured = {name: median_run(tool_runs) for name, tool_runs in runs.items()}
     synthetic: dict[str, dict[str, float] | str] = {}  # a failure's message in place of its figures
 
     def publish() -> None:  # after each measurement: a run stopped at its time limit keeps what it measured
@@ -241,6 +247,13 @@ def main() -> None:
         publish()
 
 
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over a tool's runs (None where the tool has none); ``rates``: every
+    run's steady rate."""
+    figures = {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs) for key in runs[0]}
+    return figures | {"rates": [run["rate"] for run in runs]}
+
+
 def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
            synthetic: dict[str, dict[str, float] | str]) -> list[results.Table]:
     where = (f"{torch.cuda.get_device_name()}, {args.precision}" if args.device == "cuda" else
@@ -248,15 +261,18 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
     throughput = results.Table(
         f"Training throughput: {args.model}, {size} px, batch {args.batch_size}, {args.images} images, 1 epoch, "
         f"{where}, {args.data_workers} data worker(s) each",
-        ["tool", "steady samples/s", "ratio", "start-up s", "wall s", "peak GPU GiB", "val s / train s"],
-        ["", ".1f", ".2f", ".1f", ".1f", ".2f", ".3f"])
+        ["tool", "steady samples/s", "ratio", "start-up s", "wall s", "peak GPU GiB", "val s / train s", "runs' rates"],
+        ["", ".1f", ".2f", ".1f", ".1f", ".2f", ".3f", ""])
     baseline = measured["open_clip_train (baseline)"]["rate"]
     for name, m in measured.items():
-        throughput.add(name, m["rate"], m["rate"] / baseline, m["startup"], m["wall"], m["peak_gib"], m.get("val_share"))
+        throughput.add(name, m["rate"], m["rate"] / baseline, m["startup"], m["wall"], m["peak_gib"], m.get("val_share"),
+                       ", ".join(f"{rate:.1f}" for rate in m["rates"]))
     throughput.notes.append(f"Steady: the median rate over the {LOG_EVERY}-step logging windows after step "
-                            f"{WARMUP_STEPS}. pairsim's wall time also holds Ray's start, a val evaluation (its "
-                            "seconds over the epoch's training seconds in the last column) and a checkpoint, which "
-                            "the baseline was told to skip; its peak memory holds the validation.")
+                            f"{WARMUP_STEPS}; each figure the median over {args.repeats} run(s) of each tool, "
+                            "taken in turn (the last column: each run's steady rate). pairsim's wall time also holds "
+                            "Ray's start, a val evaluation (its seconds over the epoch's training seconds: val s / "
+                            "train s) and a checkpoint, which the baseline was told to skip; its peak memory holds "
+                            "the validation.")
     if not synthetic:
         return [throughput]
     step = results.Table(
