@@ -122,6 +122,7 @@ def pairsim_config(dataset: Path, out: Path, args, *overrides: str) -> RunConfig
 
 
 def run_pairsim(cfg: RunConfig) -> dict[str, float]:
+    import ray
     from mlflow.tracking import MlflowClient
 
     from pairsim.train import driver
@@ -129,6 +130,7 @@ def run_pairsim(cfg: RunConfig) -> dict[str, float]:
     start = time.time()
     result = driver.fit(cfg)
     wall = time.time() - start
+    ray.shutdown()  # the next run starts Ray again, as open_clip_train starts afresh every run
     client = MlflowClient(result.tracking_uri)
 
     def history(key):
