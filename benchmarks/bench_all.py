@@ -36,7 +36,9 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
               "--regimes", "trained", "untrained"],
              ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
     "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256", "--log-every", "1"]),
-    "train": (["--repeats", "3"], ["--images", "1280", "--synthetic"]),  # 3: the margin is this machine's noise  # 20 steps: two 5-step windows after the warm-up
+    # documented: 3 runs of each tool (single runs move by about the margin to the target); quick: 20 steps, two
+    # 5-step windows after the warm-up
+    "train": (["--repeats", "3"], ["--images", "1280", "--synthetic"]),
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
