@@ -38,7 +38,8 @@ echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')" | tee -a "$OUT/log.txt
 
 case $mode in
 checks)
-  # the demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-3} epochs, its data made with
+  # (bench_train: amp_bf16 last, since DeepSpeed keeps a process-wide "autocast initialised" flag once an engine
+  # used it.) The demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-3} epochs, its data made with
   # more CPUs; beside it the checks that time nothing, then the benchmarks alone on the GPU
   (logfile=$OUT/demo.txt; step 220 python3 benchmarks/bench_demo.py --set train.use_gpu=true \
     --set train.num_workers=1 --set train.precision=bf16 --set ray.data_cpus=12 \
@@ -49,7 +50,7 @@ checks)
   wait $demo
   step 400 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
     --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
-    --variants train.precision=amp_bf16 optim.grad_clip=0 train.zero_stage=3 train.compile=true \
+    --variants optim.grad_clip=0 train.zero_stage=3 train.compile=true train.precision=amp_bf16 \
     --out /tmp/bench_train --results "$OUT"
   ;;
 sweep)
