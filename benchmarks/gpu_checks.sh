@@ -38,8 +38,7 @@ echo "compilers: $(command -v gcc cc nvcc | tr '\n' ' ')" | tee -a "$OUT/log.txt
 
 case $mode in
 checks)
-  # (bench_train: amp_bf16 last, since DeepSpeed keeps a process-wide "autocast initialised" flag once an engine
-  # used it.) The demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-3} epochs, its data made with
+  # the demo on one GPU worker, bf16 (ZeRO-2, as the demo), ${DEMO_EPOCHS:-3} epochs, its data made with
   # more CPUs; beside it the checks that time nothing, then the benchmarks alone on the GPU
   (logfile=$OUT/demo.txt; step 220 python3 benchmarks/bench_demo.py --set train.use_gpu=true \
     --set train.num_workers=1 --set train.precision=bf16 --set ray.data_cpus=12 \
@@ -48,6 +47,7 @@ checks)
   step 60 python3 -m pairsim.cli doctor --set train.use_gpu=true --set train.precision=bf16 --set train.num_workers=1
   step 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
   wait $demo
+  # amp_bf16 last: once an engine has used torch_autocast, DeepSpeed flags the whole process as autocast-initialised
   step 400 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
     --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
     --variants optim.grad_clip=0 train.zero_stage=3 train.compile=true train.precision=amp_bf16 \

@@ -61,12 +61,13 @@ def test_a_file_that_is_no_torch_zip_is_refused(tmp_path):
 
 def _save_and_reload(rank, world, directory):
     """Every file a DeepSpeed engine writes with pairsim's config (ZeRO 0–3 × fp32/bf16/amp_bf16) passes
-    the check, and the engine loads the checkpoint back."""
+    the check, and the engine loads the checkpoint back. amp_bf16 last: once an engine has used
+    torch_autocast, DeepSpeed flags the whole process as autocast-initialised."""
     import deepspeed
 
     written = {}
-    for stage in range(4):
-        for precision in ("fp32", "bf16", "amp_bf16"):
+    for precision in ("fp32", "bf16", "amp_bf16"):
+        for stage in range(4):
             cfg = load_config(None, [f"train.zero_stage={stage}", f"train.precision={precision}",
                                      "train.micro_batch_size=2"])
             model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
