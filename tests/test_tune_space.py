@@ -570,6 +570,7 @@ def test_results_table_csv_and_plots_of_a_union(tmp_path):
 
 PBT = {"scheduler": "pbt", "search": "random", "num_samples": 4,
        "pbt": {"perturbation_interval": 1, "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}}
+PB2 = PBT | {"scheduler": "pb2"}
 
 
 @pytest.mark.parametrize("space, sweep, prefix, expected", [
@@ -590,8 +591,16 @@ PBT = {"scheduler": "pbt", "search": "random", "num_samples": 4,
     ({"loss.margin": {"uniform": [0.1, 0.2]}},
      PBT | {"pbt": {"mutations": {"loss.margin": {"uniform": [0.0, 3.0]}}}},
      "sweep.pbt.mutations.loss.margin:", r"high 3.0 gives an invalid run config"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": {"mutations": {"loss.gamma": {"choice": [20, 40]}}}},
+     "sweep.pbt.mutations.loss.gamma:", r"choice is not a range; PB2 proposes values inside \[low, high\]"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": PB2["pbt"] | {"resample_probability": 0.5}}, "sweep",
+     r"pbt.resample_probability: PBT's alone"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"search": "optuna"}, "sweep.search:",
+     r"use random or grid with scheduler pb2"),
+    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pb2"}, "sweep", r"pbt: scheduler pb2 needs its settings"),
 ], ids=["with-optuna", "with-a-union", "a-key-the-checkpoint-fixes", "grid-mutation", "interval-past-the-end",
-        "no-mutations", "no-settings", "pbt-settings-under-asha", "mutation-out-of-range"])
+        "no-mutations", "no-settings", "pbt-settings-under-asha", "mutation-out-of-range", "pb2-choice",
+        "pb2-with-pbts-resampling", "pb2-with-optuna", "pb2-no-settings"])
 def test_bad_pbt_setting_is_named(tmp_path, space, sweep, prefix, expected):
     message = sweep_error(write_sweep(tmp_path, space=space, sweep=sweep))
     assert re.search(expected, line_of(message, prefix)), message
@@ -616,6 +625,28 @@ def test_pbt_mutations_start_in_the_space_and_explore_stays_inside(tmp_path):
     assert sweep.explore({"optim.lr": 0.8e-4, "loss.temperature.init": 0.03 * 0.8, "loss.temperature.max": 0.1}) == {
         "optim.lr": 1.0e-4, "loss.temperature.init": 0.02, "loss.temperature.max": 0.1}
     assert sweep.trial_config(sweep.point_of(explored)).loss.base_params.temperature.max == 0.05
+
+
+def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
+    """The same population settings under pbt give Ray's PBT over the mutations' distributions
+    (its resampling and factors), under pb2 Ray's PB2 over their bounds as sampled (randint's
+    high excluded); both report by epoch and keep a trial's last epoch from an exploit."""
+    from ray.tune.schedulers import PopulationBasedTraining, TrialScheduler, pb2 as ray_pb2
+
+    from pairsim.tune.schedulers import scheduler_of
+
+    mutations = {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "loss.gamma": {"randint": [10, 61]}}
+    space = {"loss.margin": {"uniform": [0.1, 0.2]}}
+    pbt = scheduler_of(load_sweep(write_sweep(tmp_path, space=space, sweep=PBT | {"pbt": {
+        "perturbation_interval": 1, "resample_probability": 0.5, "mutations": mutations}}), ["train.epochs=3"]))
+    pb2 = scheduler_of(load_sweep(write_sweep(tmp_path, space=space, sweep=PB2 | {"pbt": {
+        "perturbation_interval": 2, "quantile_fraction": 0.5, "mutations": mutations}}, name="pb2.yaml"),
+        ["train.epochs=3"]))
+    assert isinstance(pbt, PopulationBasedTraining) and not isinstance(pbt, ray_pb2.PB2) and isinstance(pb2, ray_pb2.PB2)
+    assert pbt._resample_probability == 0.5 and set(pbt._hyperparam_mutations) == set(mutations)
+    assert pb2._hyperparam_bounds == {"optim.lr": [1.0e-4, 1.0e-3], "loss.gamma": [10, 60]}
+    assert (pb2._perturbation_interval, pb2._quantile_fraction, pb2._time_attr) == (2, 0.5, "epoch")
+    assert pb2.on_trial_result(None, None, {"epoch": 3}) == TrialScheduler.CONTINUE
 
 
 # 9. several metrics: a Pareto front ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 from pairsim import tracking
 from pairsim.data import shards
-from pairsim.tune.space import Sweep
+from pairsim.tune.space import POPULATION_SCHEDULERS, Sweep
 
 PLOTS = ("metric_vs_params.png", "parallel_coordinates.png", "metric_vs_epoch.png")
 STATUS_COLORS = {"finished": "tab:blue", "stopped early": "tab:orange", "failed": "tab:red"}
@@ -280,7 +280,7 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    population = sweep.settings.scheduler == "pbt"  # a colour per trial, its clones drawn
+    population = sweep.settings.scheduler in POPULATION_SCHEDULERS  # a colour per trial, its clones drawn
     colours = {row.trial_id: plt.get_cmap("tab10")(i % 10) for i, row in enumerate(rows)}
     for row in rows:
         cuts = [0, *(e for e, _ in row.clones), math.inf]  # a clone's own line stops where it took another's state

@@ -173,6 +173,10 @@ from its new peak (DeepSpeed's scheduler keeps its step, not its base rate); a t
 bounds clamp it from the next step, and a changed ``init`` sets it (see :class:`PBTSettings`)."""
 
 
+POPULATION_SCHEDULERS = ["pbt", "pb2"]  # the schedulers that clone one trial's checkpoint into another
+PBT_ONLY = {"resample_probability", "perturbation_factors", "burn_in"}  # settings Ray's PB2 does not take
+
+
 class PBTSettings(Section):
     """Population Based Training (Jaderberg et al., 2017, arXiv 1711.09846), Ray Tune's
     ``PopulationBasedTraining`` over epochs: every ``perturbation_interval`` epochs a trial in the
@@ -189,7 +193,17 @@ class PBTSettings(Section):
     round exploits nothing: no trial has yet been saved as a top one).
 
     A trial that clones another with a mutated ``init`` of a temperature starts from the new τ;
-    everything else of the clone's state (weights, optimizer moments, step) is the donor's."""
+    everything else of the clone's state (weights, optimizer moments, step) is the donor's.
+
+    Under ``scheduler: pb2`` (Population Based Bandits, Parker-Holder et al., NeurIPS 2020, arXiv
+    2002.02518; Ray Tune's ``PB2``) the exploit is the same and the explore is a bandit's: a
+    Gaussian process fitted to every trial's change of the metric per epoch, against its epoch,
+    its metric before and its hyperparameters, proposes the point of the mutations' [low, high]
+    box with the highest upper confidence bound (GP-UCB; the box searched on a linear scale,
+    a loguniform's too). The mutations must be ranges (uniform, loguniform, quniform, randint);
+    ``resample_probability``, ``perturbation_factors`` and ``burn_in`` are PBT's alone. A
+    proposal needs each trial's change between two reports: at the first report there is none,
+    and a clone keeps the donor's values."""
 
     perturbation_interval: Int = Field(1, ge=1, description="epochs between a trial's exploit/explore decisions")
     mutations: dict[str, Distribution] = Field(
@@ -243,9 +257,12 @@ class SweepSettings(Section):
     search: Literal["random", "grid", "optuna"] = Field(
         "random", description="random: Tune's variant generator; grid: every combination of the grid values; "
                               "optuna: TPE (ray.tune.search.optuna.OptunaSearch)")
-    scheduler: Literal["fifo", "asha", "pbt"] = "asha"
+    scheduler: Literal["fifo", "asha", "pbt", "pb2"] = Field(
+        "asha", description="fifo: every trial runs all its epochs; asha: ASHA stops the weak early; pbt: Population "
+                            "Based Training; pb2: its bandit variant (new values from a GP-UCB over the mutations' "
+                            "bounds, Parker-Holder et al., 2020)")
     asha: ASHASettings | None = Field(None, description="ASHA's rungs (scheduler asha only)")
-    pbt: PBTSettings | None = Field(None, description="Population Based Training (scheduler pbt only)")
+    pbt: PBTSettings | None = Field(None, description="Population Based Training (scheduler pbt or pb2)")
     max_concurrent_trials: Int | None = Field(
         None, ge=1, description="default: as many as the cluster's CPUs and GPUs hold (1 on a local instance)")
     resources: TrialResources = TrialResources()
@@ -265,13 +282,17 @@ class SweepSettings(Section):
             self.scheduler = "fifo"  # ASHA and PBT rank by one metric
         if isinstance(self.metric, list) and not self.metric:
             raise ValueError("metric: an empty list; name one metric or several, e.g. [rsum, i2i_mAP@R]")
-        for name in ("asha", "pbt"):
-            if self.scheduler != name and getattr(self, name) is not None:
-                raise ValueError(f"{name}: only for scheduler {name}, not {self.scheduler}")
+        for name, schedulers in (("asha", ["asha"]), ("pbt", POPULATION_SCHEDULERS)):
+            if self.scheduler not in schedulers and getattr(self, name) is not None:
+                raise ValueError(f"{name}: only for scheduler {' or '.join(schedulers)}, not {self.scheduler}")
         if self.scheduler == "asha" and self.asha is None:
             self.asha = ASHASettings()
-        if self.scheduler == "pbt" and self.pbt is None:
-            raise ValueError("pbt: scheduler pbt needs its settings, at least pbt.mutations (the keys it may change)")
+        if self.scheduler in POPULATION_SCHEDULERS and self.pbt is None:
+            raise ValueError(f"pbt: scheduler {self.scheduler} needs its settings, at least pbt.mutations (the keys it "
+                             "may change)")
+        if self.scheduler == "pb2" and (pbt_only := sorted(PBT_ONLY & self.pbt.model_fields_set)):
+            raise ValueError(f"pbt.{pbt_only[0]}: PBT's alone; PB2 draws a clone's values from its bandit, within "
+                             "the mutations' bounds, and compares trials from their first report")
         return self
 
 
@@ -624,15 +645,19 @@ def _check_settings(sweep: Sweep, listed: bool, keys: list[str], errors: list[st
     pbt = settings.pbt
     mutations = pbt.mutations if pbt else {}
     if pbt and listed:
-        errors.append("sweep.scheduler: pbt mutates each trial's own point; a list of grids runs with fifo or asha")
+        errors.append(f"sweep.scheduler: {settings.scheduler} mutates each trial's own point; a list of grids runs "
+                      "with fifo or asha")
     if pbt and settings.search == "optuna":
         errors.append("sweep.search: optuna proposes points from finished trials, which PBT's cloned trials are not "
-                      "(Ray Tune refuses the pair): use random or grid with scheduler pbt")
+                      f"(Ray Tune refuses the pair): use random or grid with scheduler {settings.scheduler}")
     if pbt and pbt.perturbation_interval >= sweep.epochs:
         errors.append(f"sweep.pbt.perturbation_interval: {pbt.perturbation_interval} epochs, but a trial runs "
                       f"{sweep.epochs}: no trial would ever be perturbed")
     for key, dist in mutations.items():
-        if dist.kind == "grid":
+        if settings.scheduler == "pb2" and dist.kind in ("choice", "grid"):
+            errors.append(f"sweep.pbt.mutations.{key}: {dist.kind} is not a range; PB2 proposes values inside "
+                          "[low, high] (write uniform, loguniform, quniform or randint; choice works with pbt)")
+        elif dist.kind == "grid":
             errors.append(f"sweep.pbt.mutations.{key}: grid is not a mutation; write choice (PBT steps to a "
                           "neighbouring value or draws one)")
         if not any(re.fullmatch(pattern, key) for pattern in MUTABLE_KEYS):

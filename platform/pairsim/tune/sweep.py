@@ -21,12 +21,10 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +32,6 @@ from typing import Any
 
 import ray
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining, TrialScheduler
 
 from pairsim import cluster, jobs, locks, log, tracking
 from pairsim.config import ConfigError
@@ -265,43 +262,6 @@ def concurrency(sweep: Sweep) -> int:
     return wanted or fits
 
 
-class Population(PopulationBasedTraining):
-    """Ray Tune's PBT, less the exploit at a trial's last epoch (a clone would have nothing left
-    to train: the trial ends as it is)."""
-
-    def __init__(self, epochs: int, **kwargs):
-        super().__init__(**kwargs)
-        self.epochs = epochs
-
-    def on_trial_result(self, tune_controller, trial, result):
-        if result.get("epoch", 0) >= self.epochs:
-            return TrialScheduler.CONTINUE
-        return super().on_trial_result(tune_controller, trial, result)
-
-
-def scheduler_of(sweep: Sweep):
-    """Ray Tune's trial scheduler for ``sweep.scheduler``: FIFO, ASHA over epochs, or PBT over
-    epochs (its explore kept valid by :meth:`Sweep.explore`; Python's ``random``, which PBT
-    draws from, seeded with ``sweep.seed``)."""
-    settings = sweep.settings
-    if settings.asha:
-        return ASHAScheduler(time_attr="epoch", max_t=sweep.epochs, grace_period=settings.asha.grace_period,
-                             reduction_factor=settings.asha.reduction_factor)
-    if settings.pbt:
-        pbt = settings.pbt
-        if settings.seed is not None:
-            random.seed(settings.seed)
-        # Tune's hint for trainables that can reset in place; a pairsim trial's run cannot (its thread)
-        warnings.filterwarnings("ignore", message="Consider boosting PBT performance by enabling `reuse_actors`")
-        return Population(
-            sweep.epochs, time_attr="epoch", perturbation_interval=pbt.perturbation_interval, burn_in_period=pbt.burn_in,
-            hyperparam_mutations={key: list(dist.args) if dist.kind == "choice" else dist.domain()
-                                  for key, dist in pbt.mutations.items()},
-            quantile_fraction=pbt.quantile_fraction, resample_probability=pbt.resample_probability,
-            perturbation_factors=pbt.perturbation_factors, custom_explore_fn=sweep.explore, synch=pbt.synch)
-    return FIFOScheduler()
-
-
 HEAD_NODE = "node:__internal_head__"  # a resource every Ray head node has one of
 HEAD_NODE_FOR_TRIALS = 0.9  # of it; Ray Train's own head-node actors take 0.001 each
 
@@ -395,6 +355,8 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult
             search_alg = BasicVariantGenerator(random_state=settings.seed,  # PBT: the whole population exists
                                                max_concurrent=0 if settings.pbt else trials_at_once)
             searcher_limit = None
+        from pairsim.tune.schedulers import scheduler_of  # imports scikit-learn (PB2), which trials need not
+
         scheduler = scheduler_of(sweep)
         tuner = tune.Tuner(
             trainable, param_space=sweep.param_space(),
