@@ -281,36 +281,40 @@ def test_pbt_a_weak_trial_continues_from_a_strong_ones_checkpoint(ray_instance, 
     assert load_config(outcome.out_dir / "best.yaml") == sweep.trial_config(outcome.best.point)
 
 
-@pytest.mark.extended  # ~3 min: four trial start-ups, six trial-epochs
-def test_pb2_a_weak_trial_continues_from_a_strong_ones_checkpoint_with_a_bandits_lr(ray_instance, tiny_dataset,
-                                                                                      tmp_path):
-    """Population Based Bandits, 2 trials of 3 epochs taking turns: learning rates 2e-3 and 1e-7,
-    compared at epoch 2, when each trial has a change of RSUM between two reports for PB2's
-    Gaussian process to learn from. The lower half continues from the upper half's epoch-2
-    checkpoint with a learning rate the bandit proposes inside the mutation's bounds, recorded per
-    epoch in its MLflow child run."""
+@pytest.mark.extended  # ~4 min: six trial start-ups, six trial-epochs
+def test_pb2_proposes_a_clones_lr_once_the_population_has_progress_to_learn_from(ray_instance, tiny_dataset,
+                                                                                    tmp_path):
+    """Population Based Bandits, 2 trials of 3 epochs taking turns, compared after epochs 1 and 2:
+    learning rates 2e-3 and 1e-7, the mutation's bounds [1e-6, 1e-5]. PB2 records each trial at
+    each comparison and learns from a trial's change between two records with the same values.
+    After epoch 1 it has none: the lr-1e-7 trial continues from the other's checkpoint with the
+    donor's lr as it is, kept inside the bounds (1e-5), so it barely trains on. After epoch 2 the
+    lr-2e-3 trial, unexplored, is ahead again with two records at one lr, and the clone takes its
+    checkpoint with a learning rate PB2's Gaussian process proposed inside the bounds (not the
+    copy's 1e-5), recorded per epoch in its MLflow child run."""
     from pairsim.tune.sweep import run_sweep
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "pb2.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
                        {"search": "grid", "num_samples": 1, "scheduler": "pb2", "max_concurrent_trials": 1,
-                        "pbt": {"perturbation_interval": 2, "quantile_fraction": 0.5,
-                                "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}})
+                        "pbt": {"perturbation_interval": 1, "quantile_fraction": 0.5,
+                                "mutations": {"optim.lr": {"loguniform": [1.0e-6, 1.0e-5]}}}})
     outcome = run_sweep(load_sweep(path, ["train.epochs=3"]), "pb2")
     assert len(outcome.rows) == 2 and {r.status for r in outcome.rows} == {"finished"}
     assert all(r.epochs == 3 for r in outcome.rows)
     by_id = {r.trial_id: r for r in outcome.rows}
     first, second = sorted(by_id)
     clone = by_id[second]
-    assert [e for e, _ in clone.clones] == [2] and clone.clones[0][1] == first, [
+    assert clone.clones == [(1, first), (2, first)] and not by_id[first].clones, [
         (r.trial_id, r.point, r.clones) for r in outcome.rows]
-    assert 1.0e-4 <= clone.point["optim.lr"] <= 3.0e-3 and clone.point["optim.lr"] != 2.0e-3  # proposed, not copied
-    curve = dict(clone.curve)
-    assert curve[3] > curve[2] + 20, curve  # from the first's weights
+    assert by_id[first].point["optim.lr"] == 2.0e-3
     lrs = [m.value for m in sorted(MlflowClient(uri).get_metric_history(clone.run_id, "hparam/optim.lr"),
                                    key=lambda m: m.step)]
-    assert lrs[:2] == pytest.approx([1.0e-7, 1.0e-7]) and lrs[-1] == pytest.approx(clone.point["optim.lr"]), lrs
+    assert lrs[:2] == pytest.approx([1.0e-7, 1.0e-5]), lrs
+    assert 1.0e-6 <= lrs[2] < 1.0e-5 and lrs[2] == pytest.approx(clone.point["optim.lr"]), lrs  # proposed
+    curve = dict(clone.curve)
+    assert curve[2] > curve[1] + 10, curve  # from the first's epoch-1 weights
 
 
 def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path):

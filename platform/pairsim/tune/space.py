@@ -201,9 +201,10 @@ class PBTSettings(Section):
     its metric before and its hyperparameters, proposes the point of the mutations' [low, high]
     box with the highest upper confidence bound (GP-UCB; the box searched on a linear scale,
     a loguniform's too). The mutations must be ranges (uniform, loguniform, quniform, randint);
-    ``resample_probability``, ``perturbation_factors`` and ``burn_in`` are PBT's alone. A
-    proposal needs each trial's change between two reports: at the first report there is none,
-    and a clone keeps the donor's values."""
+    ``resample_probability``, ``perturbation_factors`` and ``burn_in`` are PBT's alone. PB2
+    records each trial at each comparison and learns from a trial's change between two records
+    with the same values: at the first comparison there is none, and a clone takes the donor's
+    values (kept inside the bounds)."""
 
     perturbation_interval: Int = Field(1, ge=1, description="epochs between a trial's exploit/explore decisions")
     mutations: dict[str, Distribution] = Field(
