@@ -297,7 +297,8 @@ def plot(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
                 ax.plot([epoch, after[0][0]], [curves[donor][epoch], after[0][1]], ls="--", color="grey", lw=1)
                 ax.plot(epoch, curves[donor][epoch], marker="*", ms=14, color=colours[row.trial_id], mec="black")
     if population:
-        ax.plot([], [], ls="--", marker="*", color="grey", mec="black", label="continued from (PBT exploit)")
+        ax.plot([], [], ls="--", marker="*", color="grey", mec="black",
+                label=f"continued from ({sweep.settings.scheduler.upper()} exploit)")
     else:
         for status, color in STATUS_COLORS.items():
             ax.plot([], [], color=color, label=status)
