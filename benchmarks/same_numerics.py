@@ -12,8 +12,9 @@ corpus) and trains 2 epochs of the reproduction's pretraining config (``demo.yam
 the training loss logged at every step. The table gives each commit's val RSUM and whether its
 22 losses equal the first commit's and the previous commit's exactly (the first step that
 differs from the first's and both values, when not). Each run takes 2–3 min on the 2-core
-machine; a commit whose finished run is already in ``--work`` is not trained again. The commits must have
-``platform/pairsim/configs/reproduce/pretrain.yaml`` (9be6183 on).
+machine; a commit whose finished run is already in ``--work`` is not trained again. The commits
+must have ``platform/pairsim/configs/reproduce/pretrain.yaml`` (9be6183 on). The table goes to
+``bench_out/same_numerics/`` (not ``benchmarks/results/``, which holds ``bench_all``'s files alone).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("commits", nargs="+", help="commits, the first the reference")
     parser.add_argument("--work", type=Path, default=Path("/tmp/same_numerics"), help="worktrees and their runs")
-    results.add_results_argument(parser)
+    parser.add_argument("--results", type=Path, default=results.REPO / "bench_out" / "same_numerics",
+                        help="where the JSON and Markdown go (default bench_out/same_numerics/: a diagnosis, not one of "
+                             "bench_all's results; copy the JSON to docs/results/ when the docs cite it)")
     args = parser.parse_args()
     started = time.perf_counter()
     table = results.Table("A short seeded run at each commit (2 epochs, 22 steps of the pretraining config, "
