@@ -27,7 +27,6 @@ import ray
 from PIL import Image
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.data.shard_reader import VerifiedParquetDatasource
@@ -46,11 +45,6 @@ class SkipLedger:
 
     def get(self) -> dict[str, str]:
         return dict(self.skipped)
-
-
-# Ray's default placement for a task or actor started from a sweep trial is inside the trial's
-# placement group (Tune captures child tasks), which holds no CPU: these run beside it instead.
-OUTSIDE_CALLERS_GROUP = "DEFAULT"
 
 
 def skip_ledger(name: str):
@@ -293,25 +287,6 @@ def eval_images(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunDa
 def eval_texts(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
     return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data, ledger_name=ledger_name),
                       EvalTexts(cfg.model.arch), cfg.eval.batch_size, cfg)
-
-
-@ray.remote
-def _start_ingest_worker(model: ModelConfig, augment: bool) -> None:
-    Pixels(model, augment)([])
-    tokenize(model.arch, [])
-
-
-def start_ingest_workers(cfg: RunConfig, roles: NodeRoles) -> None:
-    """Start the decode workers (importing torch and open_clip takes seconds) while Ray Train
-    starts its worker group: one task per data slot the cluster has for Ray Data (on the data
-    nodes, or beside training), not waited for. Ray reuses the warm processes for the first
-    epoch's decode tasks."""
-    free = roles.data_cpus - (cfg.train.num_workers * cfg.train.cpus_per_worker if roles.shared else 0.0)
-    slots = min(int(min(free, cfg.data.max_cpus or free) // cfg.data.cpus_per_task), 16)
-    placement = {"label_selector": roles.data} if roles.data else {}
-    for _ in range(slots):
-        _start_ingest_worker.options(num_cpus=cfg.data.cpus_per_task, scheduling_strategy=OUTSIDE_CALLERS_GROUP,
-                                     **placement).remote(cfg.model, cfg.data.augment)
 
 
 def local_shuffle_seed(seed: int | None, epoch: int, rank: int) -> int | None:

@@ -260,7 +260,6 @@ def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: St
     cluster.init_ray(cfg)
     roles = cluster.node_roles(cfg.ray.node_roles)
     cluster.check_cpu_budget(cfg, roles)
-    ingest.start_ingest_workers(cfg, roles)
     clock.lap("ray")
     run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
                                tags=skipped_metrics_tag(cfg, prepared.facts) | (trial.tags if trial else {}))
