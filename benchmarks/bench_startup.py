@@ -10,6 +10,9 @@ trials or a test session's runs find it. Prints each run's ``perf/startup/<phase
 :class:`pairsim.train.worker.StartupClock`), the medians, and the median start-up
 (``perf/startup_s``: ``fit`` called → first step done) over the floor, into the results files. The first run also pays for Ray's idle worker processes importing
 torch: the medians are over the later runs when there are more than one.
+
+``worker_group``, the largest phase, is split further by the Ray tasks of Train's controller and
+workers in Ray's task timeline (``ray.timeline()``): see :data:`WORKER_GROUP_STEPS`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import ray
 from mlflow.tracking import MlflowClient
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
@@ -33,6 +37,39 @@ from pairsim.cluster import start_local_instance
 
 FLOOR = ("import torch, deepspeed, open_clip; from pairsim.config import load_config; from pairsim.cli import DEMO_CONFIG; "
          "from pairsim.models import retrieval; retrieval.create_retrieval_model(load_config(DEMO_CONFIG).model)")
+
+
+DRIVER_PHASES = ("checks", "ray", "mlflow", "datasets")  # lapped by pairsim.train.driver before TorchTrainer.fit
+
+# the worker_group phase step by step: (step, the timeline mark that ends it; None: the loop's first
+# line). "+" marks the start of the first run of a Ray task (class.method) in the phase, "-" the
+# end of its last
+WORKER_GROUP_STEPS = (
+    ("controller process starts", "+TrainController.__init__"),
+    ("controller __init__ (unpickling its arguments)", "-TrainController.__init__"),
+    ("placement group, worker processes start", "+RayTrainWorker.__init__"),
+    ("workers' __init__, init_train_context (unpickling: torch)", "-RayTrainWorker.init_train_context"),
+    ("process group (TorchConfig)", "+RayTrainWorker.run_train_fn"),
+    ("run_train_fn to the loop's first line (unpickling the loop: DeepSpeed, open_clip)", None),
+)
+
+
+def worker_group_steps(events: list[dict], begin: float, end: float) -> dict[str, float]:
+    """Seconds of each of :data:`WORKER_GROUP_STEPS` in ``[begin, end]`` (the run's worker_group
+    phase, epoch seconds), from Ray's task timeline events."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and begin <= e["ts"] / 1e6 <= end:
+            spans.setdefault(e["cat"].removeprefix("task::"), []).append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+    marks = [begin]
+    for step, mark in WORKER_GROUP_STEPS:
+        if mark is None:
+            marks.append(end)
+        elif mark[1:] not in spans:
+            raise SystemExit(f"worker_group: no {mark[1:]} task in Ray's timeline ({step}); task events off?")
+        else:
+            marks.append(min(s for s, _ in spans[mark[1:]]) if mark[0] == "+" else max(f for _, f in spans[mark[1:]]))
+    return {step: after - before for (step, _), before, after in zip(WORKER_GROUP_STEPS, marks, marks[1:])}
 
 
 def floor_seconds() -> float:
@@ -55,15 +92,19 @@ def main() -> None:
     floor = floor_seconds()
     start_local_instance(num_cpus=4)
     stamp = time.strftime("%H%M%S")
-    runs = []
+    runs, splits = [], []
     for i in range(args.runs):
         cfg = load_config(DEMO_CONFIG, [f"data.path={data}", "data.test_split=null", "train.epochs=1",
                                         f"ray.run_name=startup-{stamp}-{i}", f"ray.storage_path={out}/ray",
                                         f"tracking.tracking_uri=sqlite:///{out}/mlflow.db"])
+        fit_called = time.time()
         result = driver.fit(cfg)
         metrics = MlflowClient(result.tracking_uri).get_run(result.mlflow_run_id).data.metrics
-        runs.append({k.removeprefix("perf/startup/").removesuffix("_s"): v for k, v in metrics.items()
-                     if k.startswith("perf/startup/")} | {"total": metrics["perf/startup_s"]})
+        run = {k.removeprefix("perf/startup/").removesuffix("_s"): v for k, v in metrics.items()
+               if k.startswith("perf/startup/")}
+        begin = fit_called + sum(run[phase] for phase in DRIVER_PHASES)
+        splits.append(worker_group_steps(ray.timeline(), begin, begin + run["worker_group"]))
+        runs.append(run | {"total": metrics["perf/startup_s"]})
     counted = runs[1:] or runs
     phases = list(counted[0])
     median = {p: statistics.median(r[p] for r in counted) for p in phases}
@@ -77,7 +118,12 @@ def main() -> None:
     table.notes.append(f"Median start-up / floor: {ratio:.2f}× (target ≤ 3×)"
                        + (f"; the median is over runs 1–{len(runs) - 1}, run 0 pays for Ray's idle workers' imports."
                           if len(runs) > 1 else "; one run: cold."))
-    results.publish("bench_startup", [table], args.results, time.perf_counter() - started)
+    by_task = results.Table("worker_group step by step, s (Ray's task timeline: Train's controller and workers)",
+                            ["step", *(f"run {i}" for i in range(len(runs))), "median"],
+                            ["", *[".1f"] * (len(runs) + 1)])
+    for step, _ in WORKER_GROUP_STEPS:
+        by_task.add(step, *(split[step] for split in splits), statistics.median(split[step] for split in splits[1:] or splits))
+    results.publish("bench_startup", [table, by_task], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ def main() -> None:
     rows = {}
     for scheduler in ("fifo", "asha"):
         sweep = load_sweep(sweep_file(out, data, args, scheduler))
-        started = time.perf_counter()
+        sweep_started = time.perf_counter()
         outcome = run_sweep(sweep, f"bench-{scheduler}-{stamp}")
-        wall = time.perf_counter() - started
+        wall = time.perf_counter() - sweep_started
         startups = [startup_seconds(outcome.tracking_uri, r.run_id) for r in outcome.rows if r.run_id]
         rows[scheduler] = (outcome, wall, startups)
 
