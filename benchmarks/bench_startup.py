@@ -41,15 +41,15 @@ FLOOR = ("import torch, deepspeed, open_clip; from pairsim.config import load_co
 
 DRIVER_PHASES = ("checks", "ray", "mlflow", "datasets")  # lapped by pairsim.train.driver before TorchTrainer.fit
 
-# the worker_group phase step by step: (step, the timeline mark that ends it; None: the loop's first
-# line). "+" marks the start of the first run of a Ray task (class.method) in the phase, "-" the
-# end of its last
+# the worker_group phase step by step: (step, the timeline mark that ends it). A mark is ("start",
+# task) for the first start of a Ray task (class.method) in the phase, ("end", task) for the last
+# end, or None for the phase's end (the training loop's first line)
 WORKER_GROUP_STEPS = (
-    ("controller process starts", "+TrainController.__init__"),
-    ("controller __init__ (unpickling its arguments)", "-TrainController.__init__"),
-    ("placement group, worker processes start", "+RayTrainWorker.__init__"),
-    ("workers' __init__, init_train_context (unpickling: torch)", "-RayTrainWorker.init_train_context"),
-    ("process group (TorchConfig)", "+RayTrainWorker.run_train_fn"),
+    ("controller process starts", ("start", "TrainController.__init__")),
+    ("controller __init__ (unpickling its arguments)", ("end", "TrainController.__init__")),
+    ("placement group, worker processes start", ("start", "RayTrainWorker.__init__")),
+    ("workers' __init__, init_train_context (unpickling: torch)", ("end", "RayTrainWorker.init_train_context")),
+    ("process group (TorchConfig)", ("start", "RayTrainWorker.run_train_fn")),
     ("run_train_fn to the loop's first line (unpickling the loop: DeepSpeed, open_clip)", None),
 )
 
@@ -57,18 +57,22 @@ WORKER_GROUP_STEPS = (
 def worker_group_steps(events: list[dict], begin: float, end: float) -> dict[str, float]:
     """Seconds of each of :data:`WORKER_GROUP_STEPS` in ``[begin, end]`` (the run's worker_group
     phase, epoch seconds), from Ray's task timeline events."""
-    spans: dict[str, list[tuple[float, float]]] = {}
+    starts: dict[str, list[float]] = {}
+    ends: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and begin <= e["ts"] / 1e6 <= end:
-            spans.setdefault(e["cat"].removeprefix("task::"), []).append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+            task = e["cat"].removeprefix("task::")
+            starts.setdefault(task, []).append(e["ts"] / 1e6)
+            ends.setdefault(task, []).append((e["ts"] + e["dur"]) / 1e6)
     marks = [begin]
     for step, mark in WORKER_GROUP_STEPS:
         if mark is None:
             marks.append(end)
-        elif mark[1:] not in spans:
-            raise SystemExit(f"worker_group: no {mark[1:]} task in Ray's timeline ({step}); task events off?")
-        else:
-            marks.append(min(s for s, _ in spans[mark[1:]]) if mark[0] == "+" else max(f for _, f in spans[mark[1:]]))
+            continue
+        edge, task = mark
+        if task not in starts:
+            raise SystemExit(f"worker_group: no {task} task in Ray's timeline ({step}); task events off?")
+        marks.append(min(starts[task]) if edge == "start" else max(ends[task]))
     return {step: after - before for (step, _), before, after in zip(WORKER_GROUP_STEPS, marks, marks[1:])}
 
 
