@@ -5,7 +5,8 @@
     python benchmarks/bench_all.py --only losses eval      # some of them
 
 ``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
-runs at the documented sizes only.
+runs at the documented sizes only, and so do the research figures, last (~3 h together):
+``reproduce.py`` (the papers' table) and ``unified_figure5.py`` (Figure 5 from its base).
 
 Runs each benchmark script in its own process, one after another (never two at once: they
 time the machine), with the arguments of the chosen profile, each writing
@@ -43,7 +44,17 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
     "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
+    # the research figures (~3 h together): the reproduction table (pretrain, image teacher, 7 objectives × 3 seeds),
+    # then the Unified paper's Figure 5 as a sweep (9 trials) from the same base
+    "reproduce": ([], None),
+    "figure5": ([], None),
 }
+SCRIPTS = {"reproduce": "reproduce", "figure5": "unified_figure5"}  # benchmarks/<script>.py where not bench_<name>
+WORK = {"figure5": "reproduce"}  # Figure 5 fine-tunes the reproduction's base on its corpus: one folder for both
+
+
+def script(name: str) -> str:
+    return SCRIPTS.get(name, f"bench_{name}")
 
 
 def run_showing(command: list[str], tail_bytes: int = 6000) -> tuple[int, str]:
@@ -75,21 +86,21 @@ def main() -> int:
         extra = PROFILES[name][1 if args.quick else 0]
         if extra is None:
             continue
-        command = [sys.executable, str(HERE / f"bench_{name}.py"), *extra, "--results", str(directory)]
+        command = [sys.executable, str(HERE / f"{script(name)}.py"), *extra, "--results", str(directory)]
         if name not in ("losses", "eval"):  # the others write data and runs
-            command += ["--out", str((args.work / ("quick" if args.quick else "") / name).resolve())]
-        print(f"\n=== bench_{name} {' '.join(extra)}", flush=True)
+            command += ["--out", str((args.work / ("quick" if args.quick else "") / WORK.get(name, name)).resolve())]
+        print(f"\n=== {script(name)} {' '.join(extra)}", flush=True)
         began = time.perf_counter()
         returncode, tail = run_showing(command)
-        table.add(f"bench_{name}", " ".join(extra) or "(defaults)", time.perf_counter() - began,
+        table.add(script(name), " ".join(extra) or "(defaults)", time.perf_counter() - began,
                   "yes" if returncode == 0 else f"no (exit {returncode})")
         if returncode:
-            failures.append(f"=== bench_{name} failed (exit {returncode}); the end of its output:\n{tail}")
+            failures.append(f"=== {script(name)} failed (exit {returncode}); the end of its output:\n{tail}")
     ran = {row[0] for row in table.rows}
     previous = directory / "bench_all.json"
     if args.only and previous.is_file():  # the rows of the benchmarks not run this time stay as they were
         kept = [row for row in json.loads(previous.read_text())["tables"][0]["rows"] if row[0] not in ran]
-        table.rows = sorted(kept + table.rows, key=lambda row: list(PROFILES).index(row[0].removeprefix("bench_")))
+        table.rows = sorted(kept + table.rows, key=lambda row: [script(n) for n in PROFILES].index(row[0]))
         table.notes.append(f"This run: {', '.join(sorted(ran))}; the other rows are from the run before.")
     results.publish("bench_all", [table], directory, time.perf_counter() - started)
     print("\n\n".join(failures), file=sys.stderr)  # last, where a reader of the end of the log finds them

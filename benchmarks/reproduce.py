@@ -23,13 +23,14 @@ Setting ``pretrained`` (the default) follows the papers' protocol:
 Setting ``scratch`` is the earlier table: the presets on a randomly initialised model with the
 demo's optimizer for all alike, 3 epochs of 1,500 scenes, no hard split.
 
-Prints mean ± std over seeds of the last epoch's val i2t/t2i R@1, RSUM, i2i/t2t R@1 and the mean
-R@1 of the five modality-grid cells with a fused side, and the hard split's RSUM (best
+The table: mean ± std over seeds of the last epoch's val i2t/t2i R@1, RSUM, i2i/t2t R@1 and the
+mean R@1 of the five modality-grid cells with a fused side, and the hard split's RSUM (best
 checkpoint); then each paper's claim and whether it holds: "holds" when the mean difference
 exceeds twice its standard error, "same sign, within noise" when it is positive but smaller,
-else "does not hold"; with one seed on a side it is not judged. Results go to
-``OUT/<setting>/results.json`` as each run ends; a re-run skips the runs recorded there with the
-same protocol digest, so an interrupted table resumes.
+else "does not hold"; with one seed on a side it is not judged. Both are printed and written
+into ``--results`` (``reproduce.json`` and ``.md``, see ``results.py``). Each run's row, seconds,
+MLflow run and commit go to ``OUT/<setting>/results.json`` as it ends; a re-run skips the runs
+recorded there with the same protocol digest, so an interrupted table resumes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
+import results
 from pairsim import cluster, log
 from pairsim.cli import DEMO_CONFIG, objective_config
 from pairsim.config import RunConfig, load_config
@@ -193,11 +195,11 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
+def verdict(claim: Claim, rows: dict[str, list[dict[str, float]]]) -> str:
     parts = []
     for column in claim.columns:
-        better = [r[column] for r in results[claim.better]]
-        worse = [r[column] for r in results[claim.worse]]
+        better = [r[column] for r in rows[claim.better]]
+        worse = [r[column] for r in rows[claim.worse]]
         if any(math.isnan(v) for v in better + worse):
             continue
         (mb, sb), (mw, sw) = mean_std(better), mean_std(worse)
@@ -211,17 +213,31 @@ def verdict(claim: Claim, results: dict[str, list[dict[str, float]]]) -> str:
     return "; ".join(parts)
 
 
-def print_table(results: dict[str, list[dict[str, float]]], title: str) -> None:
-    print(f"\n{title}\n")
-    print(f"{'objective':14} n" + "".join(f"{c:>16}" for c in COLUMNS))
-    for name, rows in sorted(results.items(), key=lambda item: list(OBJECTIVES).index(item[0])):
-        cells = [mean_std([r[c] for r in rows]) for c in COLUMNS]
-        print(f"{OBJECTIVES.get(name, name):14} {len(rows)}" + "".join(
-            f"{'—':>16}" if math.isnan(m) else f"{m:10.2f} ± {s:4.2f}" for m, s in cells))
-    print()
+def grouped(saved: dict[str, dict], keys: list[str]) -> dict[str, list[dict[str, float]]]:
+    """The rows of the saved runs named by ``keys`` (``<objective>/seed<n>``, ``base/<export>``), by
+    objective, in the table's order."""
+    rows: dict[str, list[dict[str, float]]] = {}
+    for key in sorted(keys, key=lambda k: list(OBJECTIVES).index(k.split("/")[0])):
+        rows.setdefault(key.split("/")[0], []).append(saved[key]["row"])
+    return rows
+
+
+def tables(rows: dict[str, list[dict[str, float]]], title: str) -> list[results.Table]:
+    """Mean and std over seeds of each objective's runs (– where a column was not measured), then
+    each paper's claim with its verdict."""
+    table = results.Table(title, ["objective", "n", *(h for column in COLUMNS for h in (column, "±"))],
+                          ["", "d", *[".2f"] * (2 * len(COLUMNS))])
+    for name, runs in rows.items():
+        cells = [mean_std([r[c] for r in runs]) for c in COLUMNS]
+        table.add(OBJECTIVES.get(name, name), len(runs),
+                  *(None if math.isnan(m) else v for m, s in cells for v in (m, s)))
+    claims = results.Table("Each paper's claim: the mean difference ± its standard error; \"holds\" beyond twice "
+                           "that, \"same sign, within noise\" when positive but smaller", ["paper", "claim", "verdict"],
+                           ["", "", ""])
     for claim in CLAIMS:
-        if claim.better in results and claim.worse in results:
-            print(f"{claim.paper:26} {claim.words:62} {verdict(claim, results)}")
+        if claim.better in rows and claim.worse in rows:
+            claims.add(claim.paper, claim.words, verdict(claim, rows))
+    return [table, claims] if claims.rows else [table]  # claims: both sides in the table
 
 
 def main() -> None:
@@ -236,6 +252,7 @@ def main() -> None:
     parser.add_argument("--image-teacher", choices=["pretrained", "initial_student"], default="pretrained",
                         help="CUSA's image teacher: the teacher stage's encoder, or the student's starting tower")
     parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"))
+    results.add_results_argument(parser)
     args = parser.parse_args()
     log.setup()  # pairsim's progress lines (PAIRSIM_LOG_LEVEL, else INFO)
     out = args.out.resolve()
@@ -260,14 +277,14 @@ def main() -> None:
     results_file = folder / "results.json"
     saved = json.loads(results_file.read_text()) if results_file.is_file() else {}
 
-    results: dict[str, list[dict[str, float]]] = {}
+    keys: list[str] = []
     if base is not None:  # the pretrained model before any fine-tuning, on the same splits
         base_key = f"base/{base.parent.name}"
         if base_key not in saved and args.stage != "report":
             base_cfg = load_config([DEMO_CONFIG], [f"data.path={data}"])
             cluster.init_ray(base_cfg)
-            saved[base_key] = {"row": evaluate_base(base, base_cfg), "seconds": 0.0}
-        results["base"] = [saved[base_key]["row"]] if base_key in saved else []
+            saved[base_key] = {"row": evaluate_base(base, base_cfg), "seconds": 0.0, "commit": results.commit()}
+        keys += [base_key] if base_key in saved else []
     # seed by seed, every objective at each: a table cut short compares like with like
     for seed, name in ((seed, name) for seed in args.seeds for name in args.objectives):
         overrides = [f"data.path={data}", f"data.seed={seed}", f"train.seed={seed}", *extra]
@@ -284,16 +301,19 @@ def main() -> None:
                                   overrides + common(out, f"{setting.name}-{name}-seed{seed}-{protocol}"))
             result = driver.fit(run_cfg)
             saved[key] = {"protocol": protocol, "row": row(result.metrics, result.test_metrics),
-                          "seconds": time.perf_counter() - run_started, "mlflow_run_id": result.mlflow_run_id}
+                          "seconds": time.perf_counter() - run_started, "mlflow_run_id": result.mlflow_run_id,
+                          "commit": results.commit()}
             results_file.write_text(json.dumps(saved, indent=1))
-        results.setdefault(name, []).append(saved[key]["row"])
+        keys.append(key)
     results_file.write_text(json.dumps(saved, indent=1))
-    results = {name: rows for name, rows in results.items() if rows}
-    run_seconds = sum(v["seconds"] for v in saved.values())
-    print_table(results, f"setting {setting.name}: {setting.corpus.num_train} train scenes, val {setting.corpus.num_val} "
-                         f"images, seeds {args.seeds}; last-epoch val and the hard split's RSUM (best checkpoint), "
-                         f"mean ± std; {run_seconds / 60:.0f} min of runs in all, "
-                         f"{(time.perf_counter() - started) / 60:.0f} min this call")
+    made = sorted({saved[k].get("commit", "not recorded") for k in keys})
+    report = tables(grouped(saved, keys), (
+        f"Setting {setting.name}: {setting.corpus.num_train:,} train scenes, val {setting.corpus.num_val} images, seeds "
+        f"{', '.join(map(str, args.seeds))}; last-epoch val and the hard split's RSUM (best checkpoint), mean ± std "
+        f"over the seeds, in percent"))
+    report[0].notes.append(f"Runs: {len(keys)}, from {results_file} (made at {', '.join(made)}), "
+                           f"{sum(saved[k]['seconds'] for k in keys) / 60:.0f} min of them in all.")
+    results.publish("reproduce", report, args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -58,14 +58,19 @@ def _git(*args: str) -> str:
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
+def commit() -> str:
+    """The checkout's short commit, ``+dirty`` when ``platform/`` or ``benchmarks/`` differ from it;
+    ``BENCH_COMMIT`` when set (by whoever sent the tree: the GPU machine's copy of .git is stale)."""
+    if named := os.environ.get("BENCH_COMMIT"):
+        return named
+    short = _git("rev-parse", "--short", "HEAD") or "unknown"
+    return short + "+dirty" if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks") \
+        else short
+
+
 def environment() -> dict[str, Any]:
     """The commit (``+dirty`` when the work tree differs; ``BENCH_COMMIT`` when set), date, machine
     and package versions."""
-    commit = os.environ.get("BENCH_COMMIT")  # set by whoever sent the tree (the GPU machine's copy of .git is stale)
-    if not commit:
-        commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-        if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks"):
-            commit += "+dirty"
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), stdlib_platform.processor()) if Path("/proc/cpuinfo").exists() \
         else stdlib_platform.processor()
@@ -76,7 +81,7 @@ def environment() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             continue
     return {
-        "commit": commit,
+        "commit": commit(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cores": os.cpu_count(), "cpu": cpu, "memory_gib": _memory_gib(),
                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None},

@@ -10,7 +10,8 @@ or found in its cache under ``--out``) on its fine-tuning corpus, into its MLflo
 ``--init-from MODEL`` starts from another model (then give ``--set data.path=DIR`` too). Then draws the two curves with
 the paper's three statements and a verdict each (:mod:`pairsim.tune.figures` states the rules)
 into ``unified_figure5.png`` and ``unified_figure5.json`` beside the sweep's ``results.csv``, logs
-them to the sweep's MLflow parent run and prints the points and the verdicts. ``--set`` takes
+them to the sweep's MLflow parent run, and prints the points and the verdicts and writes them
+into ``--results`` (``unified_figure5.json`` and ``.md``, see ``results.py``). ``--set`` takes
 the sweep file's keys as ``pairsim tune`` does (``data.path=DIR``, ``sweep.max_concurrent_trials=2``);
 ``--name`` of an existing sweep resumes it.
 """
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import reproduce
+import results
 from pairsim import log
 from pairsim.config import ConfigError
 from pairsim.tune import figures
@@ -43,6 +46,20 @@ FIGURE5 = figures.Figure(
     ))
 
 
+def tables(curves: list[list[figures.Point]], verdicts: list[figures.Verdict], metric: str) -> list[results.Table]:
+    """The points panel by panel (– for a failed trial), then the statements with their verdicts."""
+    points = results.Table(f"{FIGURE5.title}; each trial's best epoch", ["held", "swept", "value", metric],
+                           ["", "", "g", ".2f"])
+    for panel, curve in zip(FIGURE5.panels, curves):
+        for point in curve:
+            points.add(FIGURE5.where(panel), FIGURE5.symbol(panel.key), point.x, point.metric)
+    judged = results.Table("The paper's statements", ["statement", "verdict", "detail"], ["", "", ""],
+                           notes=[f"({figures.ONE_TRIAL_NOTE})"])
+    for verdict in verdicts:
+        judged.add(verdict.statement, verdict.outcome, verdict.detail)
+    return [points, judged]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init-from", metavar="MODEL", help="the pretrained model every trial starts from")
@@ -51,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
     parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"),
                         help="benchmarks/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
+    results.add_results_argument(parser)
     args = parser.parse_args(argv)
     log.setup()
+    started = time.perf_counter()
     try:
         if args.init_from:
             start = [f"model.init_from={args.init_from}"]
@@ -68,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
         return 2
     curves, verdicts = figures.report(FIGURE5, sweep, outcome)
-    print(f"\nsweep {outcome.name}: {len(outcome.rows)} trials\n")
-    print(figures.summary(FIGURE5, curves, verdicts, sweep.metric))
-    print(f"\n{FIGURE5.name}.png and .json in {outcome.out_dir} and on MLflow run {outcome.parent_run_id} "
-          f"({outcome.tracking_uri})")
+    results.publish("unified_figure5", tables(curves, verdicts, sweep.metric), args.results,
+                    time.perf_counter() - started)
+    print(f"\nsweep {outcome.name}: {len(outcome.rows)} trials; {FIGURE5.name}.png and .json in {outcome.out_dir} "
+          f"and on MLflow run {outcome.parent_run_id} ({outcome.tracking_uri})")
     return 0
 
 

@@ -22,14 +22,19 @@ SWEEP = load_sweep(REPO / "tune_spaces" / "unified_figure5.yaml")
 
 
 @pytest.fixture
-def figure5(monkeypatch) -> figures.Figure:
-    """``FIGURE5`` of the pipeline (its ``checkout_path`` import changes sys.path and PYTHONPATH: undone after)."""
+def figure5_script(monkeypatch):
+    """``benchmarks/unified_figure5.py`` (its ``checkout_path`` import changes sys.path and PYTHONPATH: undone after)."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     spec = importlib.util.spec_from_file_location("unified_figure5", REPO / "benchmarks" / "unified_figure5.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.FIGURE5
+    return module
+
+
+@pytest.fixture
+def figure5(figure5_script) -> figures.Figure:
+    return figure5_script.FIGURE5
 
 
 def trials(metric) -> list[TrialRow]:
@@ -117,14 +122,14 @@ def test_malformed_statements_and_panels_are_refused(make, message):
         make()
 
 
-def test_report_writes_and_logs_the_picture_and_the_verdicts(figure5, tmp_path):
+def test_report_writes_and_logs_the_picture_and_the_verdicts(figure5_script, tmp_path):
     from PIL import Image
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     parent = tracking.create_run(uri, "figure5", "fig5", {})
     rows = trials(lambda m, g: None if (m, g) == (0.4, 60) else 100 + 10 * m + g / 10)
     outcome = SimpleNamespace(rows=rows, out_dir=tmp_path, tracking_uri=uri, parent_run_id=parent)
-    curves, verdicts = figures.report(figure5, SWEEP, outcome)
+    curves, verdicts = figures.report(figure5_script.FIGURE5, SWEEP, outcome)
     with Image.open(tmp_path / "unified_figure5.png") as image:
         assert image.format == "PNG" and image.width > 800
     data = json.loads((tmp_path / "unified_figure5.json").read_text())
@@ -137,8 +142,10 @@ def test_report_writes_and_logs_the_picture_and_the_verdicts(figure5, tmp_path):
     tags = client.get_run(parent).data.tags
     assert tags["pairsim.unified_figure5.2"] == verdicts[2].line()
     assert tags["pairsim.unified_figure5.2"].startswith("as γ grows, RSUM rises then falls: does not hold (best ")
-    text = figures.summary(figure5, curves, verdicts, SWEEP.metric)
-    assert "m at γ = 60:" in text and "       -" in text and verdicts[0].line() in text
+    points, statements = figure5_script.tables(curves, verdicts, SWEEP.metric)
+    assert points.rows[0] == ["γ = 60", "m", 0.0, 106.0] and points.rows[4] == ["γ = 60", "m", 0.4, None]
+    assert points.rows[5] == ["m = 0.2", "γ", 20, 104.0] and points.columns[-1] == "val/rsum"
+    assert statements.rows == [[v.statement, v.outcome, v.detail] for v in verdicts]
 
 
 @pytest.mark.parametrize("mode", ["max", "min"])

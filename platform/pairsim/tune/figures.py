@@ -210,17 +210,6 @@ def draw(figure: Figure, curves: list[list[Point]], verdicts: list[Verdict], met
     return path
 
 
-def summary(figure: Figure, curves: list[list[Point]], verdicts: list[Verdict], metric: str) -> str:
-    """The points as a small table per panel, then the verdicts, for the console."""
-    out = []
-    for panel, points in zip(figure.panels, curves):
-        out.append(f"{figure.symbol(panel.key)} at {figure.where(panel)}:")
-        out.append(f"  {figure.symbol(panel.key):>10}" + "".join(f"{_num(p.x):>9}" for p in points))
-        out.append(f"  {metric:>10}" + "".join("        -" if p.metric is None else f"{p.metric:9.2f}"
-                                               for p in points))
-    return "\n".join(out + [""] + [v.line() for v in verdicts] + [f"({ONE_TRIAL_NOTE})"])
-
-
 def report(figure: Figure, sweep: Sweep, outcome: SweepResult) -> tuple[list[list[Point]], list[Verdict]]:
     """Judge the figure on the sweep's trials (:func:`evaluate`); ``<name>.png`` and
     ``<name>.json`` into the sweep's directory and onto its parent run, a tag per verdict
