@@ -36,7 +36,8 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "eval": (["--sizes", "1000", "3000", "10000", "100000", "--dim", "512", "--dense-max", "3000", "--faiss",
               "--regimes", "trained", "untrained"],
              ["--sizes", "500", "--dim", "64", "--dense-max", "500", "--faiss", "--regimes", "trained", "untrained"]),
-    "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256", "--log-every", "1"]),
+    "ingest": ([], ["--images", "256", "--repeats", "1", "--epochs", "1", "--train-images", "256", "--val-images", "64",
+                "--log-every", "1"]),
     # documented: 3 runs of each tool (single runs move by about the margin to the target); quick: 20 steps, two
     # 5-step windows after the warm-up
     "train": (["--repeats", "3"], ["--images", "1280", "--synthetic"]),

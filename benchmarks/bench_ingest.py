@@ -1,7 +1,8 @@
 """Ingest throughput: pairsim's Ray Data pipeline against a torch ``DataLoader`` running the same
 decode / augment / tokenize code (``pairsim.data.ingest.TrainPreprocess``) with the same number of CPU
 workers over the same shards, in one run; then the share of step time a real training run
-(the demo's tiny model, 2 workers) spends waiting for data.
+(the demo's tiny model, 2 workers, no test split: only its training epochs and their
+validation are what it measures) spends waiting for data.
 
     python benchmarks/bench_ingest.py [--cpus 2] [--repeats 3] [--skip-training]
 
@@ -139,7 +140,7 @@ def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> t
     from pairsim.config import load_config
 
     out.mkdir(parents=True, exist_ok=True)  # its MLflow store's folder must exist
-    cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", f"train.epochs={epochs}",
+    cfg = load_config(DEMO_CONFIG, [f"data.path={dataset}", "data.test_split=null", f"train.epochs={epochs}",
                                     f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray"]
                       + ([f"train.log_every_n_steps={log_every}"] if log_every else []))
     result = driver.fit(cfg)
@@ -185,6 +186,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=3, help="epochs of the training run")
     parser.add_argument("--train-images", type=int, default=10_000, help="shapes for the training run (the demo's)")
+    parser.add_argument("--val-images", type=int, default=500, help="its val split (the demo's)")
     parser.add_argument("--log-every", type=int, help="the training run's train.log_every_n_steps (default: the "
                         "demo's); a run of few steps needs a smaller one to log its rate")
     parser.add_argument("--skip-training", action="store_true")
@@ -199,12 +201,11 @@ def main() -> None:
         synth.generate(shapes, num_train=args.images, num_val=200, num_test=0, rows_per_shard=512)
     tables = [throughput_table(args, shapes, out)] if not args.skip_throughput else []
     if not args.skip_training:
-        demo = out / "shapes-demo"
-        if not (demo / shards.MANIFEST).exists():
-            synth.generate(demo, num_train=args.train_images)
+        demo = synth.ensure(out / f"shapes-demo-{args.train_images}-{args.val_images}", num_train=args.train_images,
+                            num_val=args.val_images, num_test=0)
         waits, rate = data_wait(demo, out / "train", args.epochs, args.log_every)
         table = results.Table(f"Training run (demo config: pairsim-tiny, 2 workers × batch 64, {args.train_images} "
-                              f"shapes, {rate:.0f} samples/s): share of step time waiting for data (target < 10 %)",
+                              f"shapes, val {args.val_images}, {rate:.0f} samples/s): share of step time waiting for data (target < 10 %)",
                               ["epoch", "data wait %", "after 1st batch %", "1st batch wait s"], ["d", ".1f", ".1f", ".1f"])
         for epoch, (share, running, first) in enumerate(zip(*waits.values()), start=1):
             table.add(epoch, 100 * share, 100 * running, first)

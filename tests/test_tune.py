@@ -319,7 +319,7 @@ def test_pb2_proposes_a_clones_lr_once_the_population_has_progress_to_learn_from
 
 def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path):
     """Optuna's multi-objective TPE over m and γ for val RSUM and image→image mAP@R, 3 trials of
-    one epoch: the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
+    one epoch, two at a time: the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
     values in ``results.csv``), each front trial's ``front/<trial>.yaml`` is its run config, and
     the parent run holds the front, its picture and those files."""
     import csv
@@ -331,7 +331,7 @@ def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_pat
     path = write_sweep(tmp_path / "front.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 60]}},
                        {"search": "optuna", "num_samples": 3, "metric": ["rsum", "i2i_mAP@R"],
-                        "max_concurrent_trials": 1})
+                        "max_concurrent_trials": 2})
     sweep = load_sweep(path, ["train.epochs=1"])
     outcome = run_sweep(sweep, "front")
     assert len(outcome.rows) == 3 and {r.status for r in outcome.rows} == {"finished"}
