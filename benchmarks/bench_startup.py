@@ -3,7 +3,8 @@
     python benchmarks/bench_startup.py [--runs 3] [--out bench_out/startup]
 
 The floor: a fresh Python process that imports torch, deepspeed and open_clip and builds the
-demo config's model (what any worker must do before its first step), timed from launch to exit.
+demo config's model (what any worker must do before its first step), timed from launch to the
+model built (not its exit), and step by step (:data:`FLOOR_STEPS`: each import, the model).
 Then ``--runs`` plain runs of the demo config for one epoch (256 train scenes at 64 px, 2 workers,
 checkpoints and MLflow under OUT) on one local Ray instance started beforehand, as a sweep's
 trials or a test session's runs find it. Prints each run's ``perf/startup/<phase>_s`` (see
@@ -18,6 +19,7 @@ workers in Ray's task timeline (``ray.timeline()``): see :data:`WORKER_GROUP_STE
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -35,8 +37,15 @@ from pairsim.data import synth
 from pairsim.train import driver
 from pairsim.cluster import start_local_instance
 
-FLOOR = ("import torch, deepspeed, open_clip; from pairsim.config import load_config; from pairsim.cli import DEMO_CONFIG; "
-         "from pairsim.models import retrieval; retrieval.create_retrieval_model(load_config(DEMO_CONFIG).model)")
+# the floor step by step: (step, its code), run in this order in one fresh process
+FLOOR_STEPS = (
+    ("import torch", "import torch"),
+    ("import deepspeed", "import deepspeed"),
+    ("import torchvision (open_clip's; it loads torch._dynamo)", "import torchvision"),
+    ("import open_clip (the rest)", "import open_clip"),
+    ("pairsim: config and the demo's model", "from pairsim.config import load_config; from pairsim.cli import DEMO_CONFIG; "
+     "from pairsim.models import retrieval; retrieval.create_retrieval_model(load_config(DEMO_CONFIG).model)"),
+)
 
 
 DRIVER_PHASES = ("checks", "ray", "mlflow", "datasets")  # lapped by pairsim.train.driver before TorchTrainer.fit
@@ -76,10 +85,21 @@ def worker_group_steps(events: list[dict], begin: float, end: float) -> dict[str
     return {step: after - before for (step, _), before, after in zip(WORKER_GROUP_STEPS, marks, marks[1:])}
 
 
-def floor_seconds() -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", FLOOR], check=True)
-    return time.perf_counter() - started
+def floor() -> dict[str, float]:
+    """Seconds of each step of the floor (the interpreter's start and :data:`FLOOR_STEPS`), and
+    ``total``: launch to the model built. The interpreter's exit is timed too, not counted: a
+    worker does not exit before its first step (tearing down these modules takes ~1.4 s)."""
+    code = "\n".join(["import json, time", "marks = [time.time()]",
+                      *(f"{line}; marks.append(time.time())" for _, line in FLOOR_STEPS),
+                      "print('FLOOR-MARKS', json.dumps(marks))"])
+    launched = time.time()
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    ended = time.time()
+    marks = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("FLOOR-MARKS "))
+                       .removeprefix("FLOOR-MARKS "))
+    steps = {"interpreter start": marks[0] - launched}
+    steps |= {step: after - before for (step, _), before, after in zip(FLOOR_STEPS, marks, marks[1:])}
+    return steps | {"total": marks[-1] - launched, "interpreter exit (not counted)": ended - marks[-1]}
 
 
 def main() -> None:
@@ -93,7 +113,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = synth.ensure(out / "shapes-256", num_train=256, num_val=48, num_test=0)
 
-    floor = floor_seconds()
+    floor_steps = floor()
+    floor_seconds = floor_steps["total"]
     start_local_instance(num_cpus=4)
     stamp = time.strftime("%H%M%S")
     runs, splits = [], []
@@ -113,9 +134,9 @@ def main() -> None:
     phases = list(counted[0])
     median = {p: statistics.median(r[p] for r in counted) for p in phases}
 
-    ratio = median["total"] / floor
+    ratio = median["total"] / floor_seconds
     table = results.Table(f"Start-up of {args.runs} runs (demo config, 1 epoch, warm local instance) by phase, s; "
-                          f"floor {floor:.1f} s (imports + model in a fresh process)",
+                          f"floor {floor_seconds:.1f} s (imports + model in a fresh process)",
                           ["phase", *(f"run {i}" for i in range(len(runs))), "median"], ["", *[".1f"] * (len(runs) + 1)])
     for p in phases:
         table.add(p, *(r[p] for r in runs), median[p])
@@ -127,7 +148,11 @@ def main() -> None:
                             ["", *[".1f"] * (len(runs) + 1)])
     for step, _ in WORKER_GROUP_STEPS:
         by_task.add(step, *(split[step] for split in splits), statistics.median(split[step] for split in splits[1:] or splits))
-    results.publish("bench_startup", [table, by_task], args.results, time.perf_counter() - started)
+    floor_table = results.Table("The floor step by step, s (one fresh process: its steps timed from inside, its launch "
+                                "and exit from outside)", ["step", "s"], ["", ".2f"])
+    for step, seconds in floor_steps.items():
+        floor_table.add(step, seconds)
+    results.publish("bench_startup", [table, by_task, floor_table], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":
