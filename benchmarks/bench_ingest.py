@@ -205,7 +205,8 @@ def main() -> None:
                             num_val=args.val_images, num_test=0)
         waits, rate = data_wait(demo, out / "train", args.epochs, args.log_every)
         table = results.Table(f"Training run (demo config: pairsim-tiny, 2 workers × batch 64, {args.train_images} "
-                              f"shapes, val {args.val_images}, {rate:.0f} samples/s): share of step time waiting for data (target < 10 %)",
+                              f"shapes, val {args.val_images}, {rate:.0f} samples/s): share of step time waiting for "
+                              f"data (target < 10 %)",
                               ["epoch", "data wait %", "after 1st batch %", "1st batch wait s"], ["d", ".1f", ".1f", ".1f"])
         for epoch, (share, running, first) in enumerate(zip(*waits.values()), start=1):
             table.add(epoch, 100 * share, 100 * running, first)

@@ -93,8 +93,10 @@ def floor() -> dict[str, float]:
                       *(f"{line}; marks.append(time.time())" for _, line in FLOOR_STEPS),
                       "print('FLOOR-MARKS', json.dumps(marks))"])
     launched = time.time()
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     ended = time.time()
+    if done.returncode:
+        raise SystemExit(f"the floor's process failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
     marks = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("FLOOR-MARKS "))
                        .removeprefix("FLOOR-MARKS "))
     steps = {"interpreter start": marks[0] - launched}
