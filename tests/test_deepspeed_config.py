@@ -169,3 +169,40 @@ def test_every_objective_preset_gives_a_schedule_deepspeed_builds(preset):
     peak = lrs.index(max(lrs))
     assert peak <= cfg.optim.warmup_steps + 2 and all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
     assert lrs[-1] <= cfg.optim.lr * (cfg.optim.min_lr_ratio + 0.01)  # decayed to the floor by the last step
+
+
+def _start_up_imports(rank, world):
+    """A fresh process: pairsim's engine under ZeRO-2 and one step, then DeepSpeed's Muon kernel
+    called once; whether ``torch._inductor`` was loaded after each, and the kernel's result
+    against ``torch.compile`` of its function."""
+    import sys
+
+    from pairsim.train import engine as engines
+    from test_train import fixed_inputs
+
+    inductor = "torch._inductor.compile_fx"
+    cfg = load_config(None, ["model.arch=pairsim-tiny", "train.zero_stage=2", "train.micro_batch_size=6"])
+    engine = engines.create_engine(cfg, deepspeed_config(cfg.train, cfg.optim, total_steps=10))
+    pixels, tokens = fixed_inputs(cfg)
+    engine.backward(engine(image=pixels, text=tokens, group_ids=torch.arange(6))["loss"])
+    engine.step()
+    after_step = inductor in sys.modules
+    from deepspeed.runtime.zero.muon import original_muon  # loaded by DeepSpeed above, or now
+
+    kernel = original_muon.zeropower_via_newtonschulz5
+    matrix = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    deferred = kernel(matrix, steps=5)
+    after_kernel = inductor in sys.modules
+    return {"after_step": after_step, "after_kernel": after_kernel,
+            "same_as_compiled": torch.equal(deferred, torch.compile(kernel.__wrapped__)(matrix, steps=5))}
+
+
+def test_deepspeed_muon_kernels_compile_on_first_call_not_at_start_up():
+    """DeepSpeed imports its Muon optimizer under ZeRO whatever the optimizer, and Muon's
+    ``@torch.compile`` loaded ``torch._inductor`` (~2 s of a worker's start-up): pairsim's engine
+    and its first step leave it unloaded, and Muon's kernel still compiles on its first call, to
+    what ``torch.compile`` makes of it."""
+    from conftest import on_gloo_ranks
+
+    got = on_gloo_ranks(_start_up_imports, world=1)[0]
+    assert got == {"after_step": False, "after_kernel": True, "same_as_compiled": True}

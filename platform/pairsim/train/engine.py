@@ -9,9 +9,12 @@ Its checkpoints are :mod:`pairsim.train.checkpoints`.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +131,45 @@ def prepare_deepspeed_ops() -> None:
         raise RuntimeError(problem)
 
 
+def import_muon_lazily() -> None:
+    """Import DeepSpeed's Muon optimizer with its ``@torch.compile`` kernels compiled on first
+    call instead of at import.
+
+    DeepSpeed 0.19 imports that module while it checks the optimizer (``deepspeed.initialize``
+    under ZeRO) and in ZeRO-1/2's first gradient reduction, whichever optimizer runs, and
+    ``torch.compile``'s decorator loads ``torch._inductor``: about 2 s of every worker's
+    start-up, for an optimizer pairsim does not build. Imported first here, with the decorator
+    deferred to each kernel's first call, those later imports find it loaded. Muon itself runs
+    as before (``torch.compile`` compiles lazily anyway; only its wrapper is built later)."""
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    def compile_on_first_call():
+        def decorate(function):
+            compiled = None
+
+            @functools.wraps(function)
+            def call(*args, **kwargs):
+                nonlocal compiled
+                compiled = compiled or torch.compile(function)
+                return compiled(*args, **kwargs)
+
+            return call
+
+        return decorate
+
+    eager = compiler.compile
+    compiler.compile = compile_on_first_call
+    try:
+        importlib.import_module(name)
+    except ImportError:  # a DeepSpeed without Muon: nothing to defer
+        pass
+    finally:
+        compiler.compile = eager
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The trainable parameters, no weight decay on gains, biases, embeddings of position/class
     and other 1-D params (as open_clip); groups left empty by locked towers are dropped."""
@@ -149,6 +191,7 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
 
     if cfg.optim.impl == "deepspeed":
         prepare_deepspeed_ops()
+    import_muon_lazily()
     objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
     torch.manual_seed(cfg.train.seed)
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,
