@@ -311,7 +311,9 @@ def main() -> None:
         f"Setting {setting.name}: {setting.corpus.num_train:,} train scenes, val {setting.corpus.num_val} images, seeds "
         f"{', '.join(map(str, args.seeds))}; last-epoch val and the hard split's RSUM (best checkpoint), mean ± std "
         f"over the seeds, in percent"))
-    report[0].notes.append(f"Runs: {len(keys)}, from {results_file} (made at {', '.join(made)}), "
+    checkout = Path(__file__).resolve().parents[1]
+    shown = results_file.relative_to(checkout) if results_file.is_relative_to(checkout) else results_file
+    report[0].notes.append(f"Runs: {len(keys)}, from {shown} (made at {', '.join(made)}), "
                            f"{sum(saved[k]['seconds'] for k in keys) / 60:.0f} min of them in all.")
     results.publish("reproduce", report, args.results, time.perf_counter() - started)
 

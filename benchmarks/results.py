@@ -59,12 +59,14 @@ def _git(*args: str) -> str:
 
 
 def commit() -> str:
-    """The checkout's short commit, ``+dirty`` when ``platform/`` or ``benchmarks/`` differ from it;
+    """The checkout's short commit, ``+dirty`` when ``platform/`` or ``benchmarks/`` differ from it
+    (``benchmarks/results/`` aside: what an earlier run wrote there changes no measurement);
     ``BENCH_COMMIT`` when set (by whoever sent the tree: the GPU machine's copy of .git is stale)."""
     if named := os.environ.get("BENCH_COMMIT"):
         return named
     short = _git("rev-parse", "--short", "HEAD") or "unknown"
-    return short + "+dirty" if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks") \
+    return short + "+dirty" if _git("status", "--porcelain", "--untracked-files=no", "--", "platform", "benchmarks",
+                                 ":!benchmarks/results") \
         else short
 
 

@@ -38,16 +38,15 @@ def check_results_file(json_file: Path) -> dict:
 
 
 def test_the_docs_include_every_results_file_and_the_page_holds_no_table_of_its_own():
-    """The benchmarks page includes them all but the demo's, which the Quick start includes."""
+    """The docs include each of them once: the benchmarks page all but the demo's (the Quick
+    start's) and the research figures' (the Objectives page's)."""
     page = PAGE.read_text()
-    included = INCLUDE.findall(page) + INCLUDE.findall((REPO / "docs" / "quickstart.md").read_text())
+    included = [path for doc in sorted((REPO / "docs").glob("*.md")) for path in INCLUDE.findall(doc.read_text())]
     written = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "benchmarks" / "results").glob("*.md"))
     assert sorted(included) == written
     expected = {*map(bench_all.script, bench_all.PROFILES), "bench_all"}
     stems = {Path(p).stem.removesuffix("_gpu") for p in written}  # _gpu: by benchmarks/gpu_checks.sh
-    # the research figures' first run through results.py (~3 h) is still to come: until then the
-    # docs show their runs files rendered (test_the_research_tables_are_their_runs_files_rendered)
-    assert stems <= expected and expected - stems <= {"reproduce", "unified_figure5"}, (expected, stems)
+    assert stems == expected, (expected, stems)
     outside_code = re.sub(r"```.*?```", "", page, flags=re.S)
     assert not re.search(r"^\s*\|", outside_code, re.M), "a table typed into the page instead of a results file"
     assert all(block.startswith("```bash") for block in re.findall(r"```\w*", page)[::2])
@@ -69,22 +68,28 @@ def test_each_documented_table_is_the_rendering_of_its_results_file():
 
 
 def test_the_research_tables_are_their_runs_files_rendered():
-    """The reproduction table and Figure 5 in the Objectives page are what their scripts make of
-    the files the page cites: the 22 runs at bf3aed6, the Figure 5 sweep's points and verdicts."""
+    """The reproduction's and Figure 5's results files, which the Objectives page includes, hold
+    what their scripts make of the files the page cites: the runs file of the reproduction's
+    22 runs, and the Figure 5 sweep's points and verdicts beside its picture."""
     from pairsim.tune import figures
 
-    page = (REPO / "docs" / "objectives.md").read_text()
-    runs = json.loads((REPO / "docs" / "results" / "reproduce_pretrained_bf3aed6.json").read_text())
-    table, claims = reproduce.tables(reproduce.grouped(runs, list(runs)), "")
-    assert [row[1] for row in table.rows] == [1, 3, 3, 3, 3, 3, 3, 3] and len(claims.rows) == len(reproduce.CLAIMS)
+    def rows(tables) -> list:
+        return json.loads(json.dumps([table.rows for table in tables]))
+
+    published = json.loads((REPO / "benchmarks" / "results" / "reproduce.json").read_text())
+    runs_file = REPO / "docs" / "results" / f"reproduce_pretrained_{published['environment']['commit']}.json"
+    runs = json.loads(runs_file.read_text())
+    made = reproduce.tables(reproduce.grouped(runs, list(runs)), "")
+    assert [row[1] for row in made[0].rows] == [1, 3, 3, 3, 3, 3, 3, 3] and len(made[1].rows) == len(reproduce.CLAIMS)
+    assert rows(made) == [table["rows"] for table in published["tables"]], runs_file.name
     figure = json.loads((REPO / "docs" / "figures" / "unified_figure5.json").read_text())
     curves = [[figures.Point(p["x"], p["metric"], tuple(p["trials"])) for p in panel["points"]]
               for panel in figure["panels"]]
     verdicts = [figures.Verdict(**v) for v in figure["verdicts"]]
-    points, statements = unified_figure5.tables(curves, verdicts, figure["metric"])
-    assert len(points.rows) == 10 and len(statements.rows) == 3
-    for rendered in (table, claims, points, statements):
-        assert results.render_table(rendered.__dict__) in page, f"the page's table is not this:\n{rendered.title}"
+    made = unified_figure5.tables(curves, verdicts, figure["metric"])
+    assert len(made[0].rows) == 10 and len(made[1].rows) == 3
+    published = json.loads((REPO / "benchmarks" / "results" / "unified_figure5.json").read_text())
+    assert rows(made) == [table["rows"] for table in published["tables"]], "docs/figures/unified_figure5.json"
 
 
 def test_a_rendered_table_shows_what_its_json_holds():
