@@ -5,7 +5,7 @@
     python benchmarks/bench_all.py --only losses eval      # some of them
 
 ``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
-runs at the documented sizes only, and so do the research figures, last (~3 h together):
+runs at the documented sizes only, and so do the research figures, last (~1 h together):
 ``reproduce.py`` (the papers' table) and ``unified_figure5.py`` (Figure 5 from its base).
 
 Runs each benchmark script in its own process, one after another (never two at once: they
@@ -45,7 +45,7 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
     "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
-    # the research figures (~3 h together): the reproduction table (pretrain, image teacher, 7 objectives × 3 seeds),
+    # the research figures (~1 h together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives × 3 seeds),
     # then the Unified paper's Figure 5 as a sweep (9 trials) from the same base
     "reproduce": ([], None),
     "figure5": ([], None),
