@@ -206,3 +206,18 @@ def test_deepspeed_muon_kernels_compile_on_first_call_not_at_start_up():
 
     got = on_gloo_ranks(_start_up_imports, world=1)[0]
     assert got == {"after_step": False, "after_kernel": True, "same_as_compiled": True}
+
+
+def test_a_deepspeed_without_its_compile_decorator_is_left_as_it_is(monkeypatch):
+    """``deepspeed>=0.19`` is open above: where ``deepspeed.runtime.compiler.compile`` is gone,
+    nothing is deferred and nothing is imported (rather than every run failing at its engine)."""
+    import sys
+
+    from deepspeed.runtime import compiler
+    from pairsim.train.engine import import_muon_lazily
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delattr(compiler, "compile")
+    import_muon_lazily()
+    assert name not in sys.modules

@@ -146,6 +146,10 @@ def import_muon_lazily() -> None:
         return
     from deepspeed.runtime import compiler
 
+    eager = getattr(compiler, "compile", None)
+    if eager is None:  # a DeepSpeed whose modules no longer decorate through it: nothing to defer
+        return
+
     def compile_on_first_call():
         def decorate(function):
             compiled = None
@@ -160,7 +164,6 @@ def import_muon_lazily() -> None:
 
         return decorate
 
-    eager = compiler.compile
     compiler.compile = compile_on_first_call
     try:
         importlib.import_module(name)
