@@ -60,19 +60,6 @@ def test_loss_goes_down_below_what_constant_embeddings_score(zero2_runs):
     assert end < collapsed - 0.02 and end < start - 0.03, (collapsed, losses)
 
 
-def test_a_local_instance_starts_no_preemption_watcher(zero2_runs):
-    """Train V2's PreemptionWatcher is one more process per worker group, useless on a one-node
-    local instance (pairsim.cluster.LOCAL_ENV_VARS): the runs started their controllers and
-    workers, and no watcher, on the session's instance (the State API keeps dead actors)."""
-    from ray.util.state import list_actors
-
-    def started(class_name: str) -> int:
-        return len(list_actors(filters=[("class_name", "=", class_name)], limit=10_000, raise_on_missing_output=False))
-
-    assert started("TrainController") >= 2 and started("RayTrainWorker") >= 4
-    assert started("PreemptionWatcher") == 0
-
-
 def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset):
     first, resumed, client = zero2_runs
     run = client.get_run(first.mlflow_run_id)

@@ -58,16 +58,8 @@ def address_own_cluster() -> None:
     os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
 
 
-# Train V2 starts a PreemptionWatcher per worker group: a process polling for node drains so that
-# the controller restarts the group on other nodes before a drained node goes. A local instance is
-# one node, whose drain ends the run whatever the watcher does, and the watcher's start (a process
-# importing Ray Train, 1.2-1.5 s of CPU) competed with the workers' own: a plain run's start-up
-# fell from 17.0 to 16.1 s without it (bench_startup). A value set in the driver's environment wins.
-LOCAL_ENV_VARS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-
 # the runtime environment of pairsim's local instances (the tests' own instance uses it too)
-LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}",
-                     "env_vars": LOCAL_ENV_VARS}
+LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}"}
 
 
 @contextlib.contextmanager
@@ -93,12 +85,10 @@ def _node_on_loopback() -> Iterator[None]:
 
 def start_local_instance(listen_on_all_interfaces: bool = False, **init_kwargs) -> None:
     """``ray.init(**init_kwargs)`` of a new instance on this machine with
-    :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``, its ``env_vars`` key by
-    key). Its dashboard, metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
+    :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``). Its dashboard,
+    metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
     ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
-    runtime_env = init_kwargs.get("runtime_env", {})
-    init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | runtime_env | {
-        "env_vars": LOCAL_ENV_VARS | runtime_env.get("env_vars", {})}
+    init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | init_kwargs.get("runtime_env", {})
     with contextlib.nullcontext() if listen_on_all_interfaces else _node_on_loopback():
         ray.init(**init_kwargs)
 
