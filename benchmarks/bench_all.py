@@ -5,8 +5,9 @@
     python benchmarks/bench_all.py --only losses eval      # some of them
 
 ``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
-runs at the documented sizes only, and so do the research figures, last (~1 h together):
-``reproduce.py`` (the papers' table) and ``unified_figure5.py`` (Figure 5 from its base).
+runs at the documented sizes only, and so do the research figures, last (~1.5 h together):
+``reproduce.py`` (the papers' table), ``unified_figure5.py`` (Figure 5 from its base) and
+``reproduce.py --setting scratch`` (the table from a random model, ``reproduce_scratch``).
 
 Runs each benchmark script in its own process, one after another (never two at once: they
 time the machine), with the arguments of the chosen profile, each writing
@@ -49,13 +50,22 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     # then the Unified paper's Figure 5 as a sweep (9 trials) from the same base
     "reproduce": ([], None),
     "figure5": ([], None),
+    # the reproduction table's other setting: the presets on a randomly initialised model (~35 min)
+    "scratch": (["--setting", "scratch"], None),
 }
-SCRIPTS = {"reproduce": "reproduce", "figure5": "unified_figure5"}  # benchmarks/<script>.py where not bench_<name>
-WORK = {"figure5": "reproduce"}  # Figure 5 fine-tunes the reproduction's base on its corpus: one folder for both
+# benchmarks/<script>.py where not bench_<name>
+SCRIPTS = {"reproduce": "reproduce", "figure5": "unified_figure5", "scratch": "reproduce"}
+RESULTS_NAMES = {"scratch": "reproduce_scratch"}  # <results name>.json/.md where not the script's name
+# Figure 5 fine-tunes the reproduction's base on its corpus, and the settings are folders side by side: one work folder
+WORK = {"figure5": "reproduce", "scratch": "reproduce"}
 
 
 def script(name: str) -> str:
     return SCRIPTS.get(name, f"bench_{name}")
+
+
+def results_name(name: str) -> str:
+    return RESULTS_NAMES.get(name, script(name))
 
 
 def run_showing(command: list[str], tail_bytes: int = 6000) -> tuple[int, str]:
@@ -93,7 +103,7 @@ def main() -> int:
         print(f"\n=== {script(name)} {' '.join(extra)}", flush=True)
         began = time.perf_counter()
         returncode, tail = run_showing(command)
-        table.add(script(name), " ".join(extra) or "(defaults)", time.perf_counter() - began,
+        table.add(results_name(name), " ".join(extra) or "(defaults)", time.perf_counter() - began,
                   "yes" if returncode == 0 else f"no (exit {returncode})")
         if returncode:
             failures.append(f"=== {script(name)} failed (exit {returncode}); the end of its output:\n{tail}")
@@ -101,7 +111,7 @@ def main() -> int:
     previous = directory / "bench_all.json"
     if args.only and previous.is_file():  # the rows of the benchmarks not run this time stay as they were
         kept = [row for row in json.loads(previous.read_text())["tables"][0]["rows"] if row[0] not in ran]
-        table.rows = sorted(kept + table.rows, key=lambda row: [script(n) for n in PROFILES].index(row[0]))
+        table.rows = sorted(kept + table.rows, key=lambda row: [results_name(n) for n in PROFILES].index(row[0]))
         table.notes.append(f"This run: {', '.join(sorted(ran))}; the other rows are from the run before.")
     results.publish("bench_all", [table], directory, time.perf_counter() - started)
     print("\n\n".join(failures), file=sys.stderr)  # last, where a reader of the end of the log finds them

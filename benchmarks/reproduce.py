@@ -28,7 +28,8 @@ mean R@1 of the five modality-grid cells with a fused side, and the hard split's
 checkpoint); then each paper's claim and whether it holds: "holds" when the mean difference
 exceeds twice its standard error, "same sign, within noise" when it is positive but smaller,
 else "does not hold"; with one seed on a side it is not judged. Both are printed and written
-into ``--results`` (``reproduce.json`` and ``.md``, see ``results.py``). Each run's row, seconds,
+into ``--results`` (``reproduce.json`` and ``.md``, ``reproduce_<setting>`` for a setting other
+than ``pretrained``; see ``results.py``). Each run's row, seconds,
 MLflow run and commit go to ``OUT/<setting>/results.json`` as it ends; a re-run skips the runs
 recorded there with the same protocol digest, so an interrupted table resumes.
 """
@@ -315,7 +316,8 @@ def main() -> None:
     shown = results_file.relative_to(checkout) if results_file.is_relative_to(checkout) else results_file
     report[0].notes.append(f"Runs: {len(keys)}, from {shown} (made at {', '.join(made)}), "
                            f"{sum(saved[k]['seconds'] for k in keys) / 60:.0f} min of them in all.")
-    results.publish("reproduce", report, args.results, time.perf_counter() - started)
+    results.publish("reproduce" if setting.name == "pretrained" else f"reproduce_{setting.name}", report, args.results,
+                    time.perf_counter() - started)
 
 
 if __name__ == "__main__":
