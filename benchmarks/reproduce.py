@@ -193,6 +193,10 @@ def evaluate_base(base: Path, cfg: RunConfig) -> dict[str, float]:
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample std; NaN for both when a value is NaN (a column not measured: the scratch
+    setting has no hard split), which ``statistics.stdev`` would raise on."""
+    if any(math.isnan(v) for v in values):
+        return math.nan, math.nan
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
