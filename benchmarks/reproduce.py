@@ -320,8 +320,8 @@ def main() -> None:
     shown = results_file.relative_to(checkout) if results_file.is_relative_to(checkout) else results_file
     report[0].notes.append(f"Runs: {len(keys)}, from {shown} (made at {', '.join(made)}), "
                            f"{sum(saved[k]['seconds'] for k in keys) / 60:.0f} min of them in all.")
-    results.publish("reproduce" if setting.name == "pretrained" else f"reproduce_{setting.name}", report, args.results,
-                    time.perf_counter() - started)
+    results.publish("reproduce", report, args.results, time.perf_counter() - started,
+                    variant=None if setting.name == "pretrained" else setting.name)
 
 
 if __name__ == "__main__":

@@ -132,11 +132,13 @@ def render_table(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def publish(name: str, tables: list[Table], directory: Path, seconds: float, on_gpu: bool = False) -> dict[str, Any]:
+def publish(name: str, tables: list[Table], directory: Path, seconds: float, on_gpu: bool = False,
+            variant: str | None = None) -> dict[str, Any]:
     """Print the tables of ``benchmarks/<name>.py`` and write ``<directory>/<name>.json`` and
-    ``.md`` (``<name>_gpu.*`` for a run on a GPU, beside the CPU's); returns the JSON."""
+    ``.md`` (``<name>_<variant>.*`` for one of the script's variants, ``<name>_gpu.*`` for a run
+    on a GPU, beside the CPU's); returns the JSON."""
     command = " ".join(["python", f"benchmarks/{name}.py", *sys.argv[1:]])
-    name = f"{name}_gpu" if on_gpu else name
+    name = "_".join(filter(None, [name, variant, "gpu" if on_gpu else None]))
     result = {"benchmark": name, "command": _as_rerun(command), "seconds": seconds,
               "environment": environment(), "tables": [asdict(t) for t in tables]}
     directory.mkdir(parents=True, exist_ok=True)
