@@ -5,7 +5,7 @@
     python benchmarks/bench_all.py --only losses eval      # some of them
 
 ``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
-runs at the documented sizes only, and so do the research figures, last (~1.5 h together):
+runs at the documented sizes only, and so do the research figures, last (~80 min together):
 ``reproduce.py`` (the papers' table), ``unified_figure5.py`` (Figure 5 from its base) and
 ``reproduce.py --setting scratch`` (the table from a random model, ``reproduce_scratch``).
 
@@ -46,11 +46,11 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
     "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
-    # the research figures (~1 h together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives × 3 seeds),
-    # then the Unified paper's Figure 5 as a sweep (9 trials) from the same base
+    # the research figures (~80 min together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives ×
+    # 3 seeds), then the Unified paper's Figure 5 as a sweep (9 trials) from the same base, then the from-scratch table
     "reproduce": ([], None),
     "figure5": ([], None),
-    # the reproduction table's other setting: the presets on a randomly initialised model (~35 min)
+    # the reproduction table's other setting: the presets on a randomly initialised model (~25 min)
     "scratch": (["--setting", "scratch"], None),
 }
 # benchmarks/<script>.py where not bench_<name>

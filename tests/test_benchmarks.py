@@ -30,7 +30,9 @@ def check_results_file(json_file: Path) -> dict:
     assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", env["commit"]), env["commit"]
     assert env["machine"]["cores"] >= 1 and "torch" in env["packages"] and env["date"]
     script = re.match(r"python benchmarks/(\w+)\.py", result["command"])
-    assert script and json_file.stem in (script[1], f"{script[1]}_gpu"), result["command"]  # _gpu: on a GPU
+    setting = re.search(r"--setting (\w+)", result["command"])  # reproduce.py's settings but its default
+    names = {script[1], f"{script[1]}_gpu"} | ({f"{script[1]}_{setting[1]}"} if setting else set())  # _gpu: on a GPU
+    assert script and json_file.stem in names, result["command"]
     for table in result["tables"]:
         assert table["rows"] and all(len(row) == len(table["columns"]) == len(table["formats"]) for row in table["rows"])
     assert json_file.with_suffix(".md").read_text() == results.render(result), f"{json_file.name}: .md is not its JSON"
@@ -44,7 +46,7 @@ def test_the_docs_include_every_results_file_and_the_page_holds_no_table_of_its_
     included = [path for doc in sorted((REPO / "docs").glob("*.md")) for path in INCLUDE.findall(doc.read_text())]
     written = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "benchmarks" / "results").glob("*.md"))
     assert sorted(included) == written
-    expected = {*map(bench_all.script, bench_all.PROFILES), "bench_all"}
+    expected = {*map(bench_all.results_name, bench_all.PROFILES), "bench_all"}
     stems = {Path(p).stem.removesuffix("_gpu") for p in written}  # _gpu: by benchmarks/gpu_checks.sh
     assert stems == expected, (expected, stems)
     outside_code = re.sub(r"```.*?```", "", page, flags=re.S)
@@ -69,19 +71,22 @@ def test_each_documented_table_is_the_rendering_of_its_results_file():
 
 def test_the_research_tables_are_their_runs_files_rendered():
     """The reproduction's and Figure 5's results files, which the Objectives page includes, hold
-    what their scripts make of the files the page cites: the runs file of the reproduction's
-    22 runs, and the Figure 5 sweep's points and verdicts beside its picture."""
+    what their scripts make of the files the page cites: the runs files of the reproduction's
+    two settings (22 runs from the pretrained base, 21 from a random model), and the Figure 5
+    sweep's points and verdicts beside its picture."""
     from pairsim.tune import figures
 
     def rows(tables) -> list:
         return json.loads(json.dumps([table.rows for table in tables]))
 
-    published = json.loads((REPO / "benchmarks" / "results" / "reproduce.json").read_text())
-    runs_file = REPO / "docs" / "results" / f"reproduce_pretrained_{published['environment']['commit']}.json"
-    runs = json.loads(runs_file.read_text())
-    made = reproduce.tables(reproduce.grouped(runs, list(runs)), "")
-    assert [row[1] for row in made[0].rows] == [1, 3, 3, 3, 3, 3, 3, 3] and len(made[1].rows) == len(reproduce.CLAIMS)
-    assert rows(made) == [table["rows"] for table in published["tables"]], runs_file.name
+    for setting, name, seeds in (("pretrained", "reproduce", [1, 3, 3, 3, 3, 3, 3, 3]),
+                                 ("scratch", "reproduce_scratch", [3] * 7)):
+        published = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())
+        runs_file = REPO / "docs" / "results" / f"reproduce_{setting}_{published['environment']['commit']}.json"
+        runs = json.loads(runs_file.read_text())
+        made = reproduce.tables(reproduce.grouped(runs, list(runs)), "")
+        assert [row[1] for row in made[0].rows] == seeds and len(made[1].rows) == len(reproduce.CLAIMS), runs_file.name
+        assert rows(made) == [table["rows"] for table in published["tables"]], runs_file.name
     figure = json.loads((REPO / "docs" / "figures" / "unified_figure5.json").read_text())
     curves = [[figures.Point(p["x"], p["metric"], tuple(p["trials"])) for p in panel["points"]]
               for panel in figure["panels"]]
@@ -114,9 +119,9 @@ def test_bench_all_quick_regenerates_every_results_file(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     summary = check_results_file(tmp_path / "results" / "bench_all.json")
     quick = [name for name, (_, arguments) in bench_all.PROFILES.items() if arguments is not None]
-    assert [row[0] for row in summary["tables"][0]["rows"]] == list(map(bench_all.script, quick))
+    assert [row[0] for row in summary["tables"][0]["rows"]] == list(map(bench_all.results_name, quick))
     assert all(row[-1] == "yes" for row in summary["tables"][0]["rows"])
     for name in quick:
-        result = check_results_file(tmp_path / "results" / f"{bench_all.script(name)}.json")
+        result = check_results_file(tmp_path / "results" / f"{bench_all.results_name(name)}.json")
         assert result["environment"]["commit"].split("+")[0] == subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
