@@ -30,9 +30,10 @@ def check_results_file(json_file: Path) -> dict:
     assert re.fullmatch(r"[0-9a-f]{7,}(\+dirty)?", env["commit"]), env["commit"]
     assert env["machine"]["cores"] >= 1 and "torch" in env["packages"] and env["date"]
     script = re.match(r"python benchmarks/(\w+)\.py", result["command"])
+    assert script, result["command"]
     setting = re.search(r"--setting (\w+)", result["command"])  # reproduce.py's settings but its default
     names = {script[1], f"{script[1]}_gpu"} | ({f"{script[1]}_{setting[1]}"} if setting else set())  # _gpu: on a GPU
-    assert script and json_file.stem in names, result["command"]
+    assert json_file.stem in names, result["command"]
     for table in result["tables"]:
         assert table["rows"] and all(len(row) == len(table["columns"]) == len(table["formats"]) for row in table["rows"])
     assert json_file.with_suffix(".md").read_text() == results.render(result), f"{json_file.name}: .md is not its JSON"
