@@ -195,6 +195,31 @@ def test_cli_refuses_bad_values_naming_the_key(tmp_path, capsys, overrides, name
     assert lines and all(n in lines[0] for n in names), err
 
 
+@pytest.mark.parametrize("command, flag, value, message", [
+    (["data", "synth", "--out", "{tmp}/d"], "--num-train", "-5", "must be at least 0, got -5"),
+    (["data", "synth", "--out", "{tmp}/d"], "--num-val", "two", "not an integer: 'two'"),
+    (["data", "synth", "--out", "{tmp}/d"], "--rows-per-shard", "0", "must be at least 1, got 0"),
+    (["data", "synth", "--out", "{tmp}/d"], "--image-size", "10", "must be at least 24, got 10"),
+    (["evaluate", "--checkpoint", "{tmp}/c", "--data", "{tmp}/d"], "--batch-size", "0", "must be at least 1, got 0"),
+    (["evaluate", "--checkpoint", "{tmp}/c", "--data", "{tmp}/d"], "--concurrency", "-1", "must be at least 1"),
+    (["extract-teacher", "--config", str(DEMO_CONFIG), "--out", "{tmp}/t"], "--batch-size", "0", "must be at least 1"),
+    (["shards", "inspect", "{tmp}/d"], "--samples", "-1", "must be at least 0, got -1"),
+])
+def test_cli_refuses_bad_counts_naming_the_flag(tmp_path, capsys, command, flag, value, message, ray_never_starts):
+    with pytest.raises(SystemExit) as exit_:
+        main([part.format(tmp=tmp_path) for part in command] + [flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_synth_with_no_split_to_write_is_refused_in_one_line(tmp_path, capsys, ray_never_starts):
+    out = tmp_path / "d"
+    assert main(["data", "synth", "--out", str(out), "--num-train", "0", "--num-val", "0", "--num-test", "0"]) == 1
+    assert capsys.readouterr().err == "pairsim: num_train, num_val and num_test are all 0: no split to write\n"
+    assert not out.exists()
+
+
 def test_param_of_another_loss_names_the_chosen_ones_parameters():
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.base=infonce", "loss.margin=1.5"])

@@ -164,6 +164,14 @@ def test_only_val_and_test_can_be_hard(tmp_path):
         synth.generate(tmp_path, num_train=4, num_val=4, num_test=0, progress=False, hard_negatives=("train",))
 
 
+def test_negative_split_sizes_and_empty_shards_are_refused(tmp_path):
+    with pytest.raises(synth.SynthError, match=r"split sizes must be >= 0 \(0: no such split\), got num_val=-1"):
+        synth.generate(tmp_path, num_train=4, num_val=-1, num_test=0, progress=False)
+    with pytest.raises(synth.SynthError, match="rows_per_shard must be >= 1, got 0"):
+        synth.generate(tmp_path, num_train=4, num_val=0, num_test=0, rows_per_shard=0, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_family_base_objects_are_never_alike():
     """Objects 1 and 2 of a family's base differ in shape or colour, else the relation variant
     (the two swapped) is an image its base's captions describe too. The first scene with a

@@ -16,6 +16,7 @@ from pairsim import log, storage
 from pairsim.config import ConfigError, RunConfig, check_tracking_uri, load_config
 from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
+from pairsim.data.synth import MIN_IMAGE_SIZE, SynthError
 from pairsim.jobs import JobStopped, stop_on_signals
 from pairsim.locks import NameInUse
 from pairsim.registry import DATA_FORMATS
@@ -33,6 +34,20 @@ def location_arg(value: str) -> str | Path:
         return storage.parse(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An integer argument of at least ``minimum``: argparse refuses another, naming the flag."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        return number
+
+    return parse
 
 
 def tracking_uri_arg(value: str) -> str:
@@ -295,7 +310,7 @@ def add_shards_parser(sub) -> None:
     build.set_defaults(func=_shards_build)
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=location_arg)
-    inspect.add_argument("--samples", type=int, default=4, help="rows to print")
+    inspect.add_argument("--samples", type=int_at_least(0), default=4, help="rows to print")
     inspect.add_argument("--sheet", type=Path, help="write a contact sheet PNG of the first split here (none by default: "
                                                    "nothing is written into the dataset)")
     inspect.set_defaults(func=_shards_inspect)
@@ -381,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="YAML run config with loss.cusa teachers; repeat to layer files")
     extract.add_argument("--out", type=Path, required=True, help="directory for the teacher features")
     extract.add_argument("--splits", nargs="+", default=None, help="splits to embed (default: data.train_split)")
-    extract.add_argument("--batch-size", type=int, default=64)
-    extract.add_argument("--concurrency", type=int, default=1, help="Ray Data actors running the teachers")
+    extract.add_argument("--batch-size", type=int_at_least(1), default=64)
+    extract.add_argument("--concurrency", type=int_at_least(1), default=1, help="Ray Data actors running the teachers")
     add_overrides(extract)
     extract.set_defaults(func=_extract_teacher)
 
@@ -393,8 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", type=location_arg, required=True,
                           help="dataset directory holding manifest.json (a path or a URI, s3://…)")
     evaluate.add_argument("--split", default="test")
-    evaluate.add_argument("--batch-size", type=int, default=256)
-    evaluate.add_argument("--concurrency", type=int, default=1, help="Ray Data actors embedding the split")
+    evaluate.add_argument("--batch-size", type=int_at_least(1), default=256)
+    evaluate.add_argument("--concurrency", type=int_at_least(1), default=1, help="Ray Data actors embedding the split")
     add_overrides(evaluate, help="run-config override, e.g. --set eval.ks=[1,5]")
     evaluate.set_defaults(func=_evaluate)
 
@@ -428,11 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
     synth.add_argument("--out", type=Path, required=True)
-    synth.add_argument("--num-train", type=int, default=10_000)
-    synth.add_argument("--num-val", type=int, default=500)
-    synth.add_argument("--num-test", type=int, default=500)
-    synth.add_argument("--image-size", type=int, default=64)
-    synth.add_argument("--rows-per-shard", type=int, default=2_000)
+    synth.add_argument("--num-train", type=int_at_least(0), default=10_000, help="0: no train split")
+    synth.add_argument("--num-val", type=int_at_least(0), default=500, help="0: no val split")
+    synth.add_argument("--num-test", type=int_at_least(0), default=500, help="0: no test split")
+    synth.add_argument("--image-size", type=int_at_least(MIN_IMAGE_SIZE), default=64)
+    synth.add_argument("--rows-per-shard", type=int_at_least(1), default=2_000)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--hard-negatives", nargs="+", choices=["val", "test"], default=[],
                        help="build these splits of hard-negative families: a scene and variants of it that differ in "
@@ -511,7 +526,7 @@ def _reported_errors() -> tuple[type[Exception], ...]:
     from pairsim.data.shards import ShardError
     from pairsim.models.saved import UnsafeCheckpointError
 
-    return BuildError, FileNotFoundError, ShardError, SweepFailed, UnsafeCheckpointError, WorkersNotStarting
+    return BuildError, FileNotFoundError, ShardError, SweepFailed, SynthError, UnsafeCheckpointError, WorkersNotStarting
 
 
 if __name__ == "__main__":

@@ -99,6 +99,13 @@ class SceneObject:
     cell: tuple[int, int]  # (column, row) on the 3×3 grid
 
 
+MIN_IMAGE_SIZE = 24  # pixels a side: the smallest that draws a 3×3 scene
+
+
+class SynthError(ValueError):
+    """Arguments :func:`generate` cannot make a dataset from."""
+
+
 def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
@@ -288,12 +295,19 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
     """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``;
     ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text);
     ``hard_negatives``: the val/test splits built of hard-negative families (train never is)."""
-    if image_size < 24:
-        raise ValueError(f"image_size must be >= 24 to draw 3×3 scenes, got {image_size}")
+    if image_size < MIN_IMAGE_SIZE:
+        raise SynthError(f"image_size must be >= {MIN_IMAGE_SIZE} to draw 3×3 scenes, got {image_size}")
     if captions not in CAPTION_STYLES:
-        raise ValueError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
+        raise SynthError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
     if unknown := set(hard_negatives) - {"val", "test"}:
-        raise ValueError(f"hard_negatives: only the val and test splits can be hard, not {', '.join(sorted(unknown))}")
+        raise SynthError(f"hard_negatives: only the val and test splits can be hard, not {', '.join(sorted(unknown))}")
+    sizes = {"num_train": num_train, "num_val": num_val, "num_test": num_test}
+    if negative := [f"{name}={n}" for name, n in sizes.items() if n < 0]:
+        raise SynthError(f"split sizes must be >= 0 (0: no such split), got {', '.join(negative)}")
+    if not any(sizes.values()):
+        raise SynthError("num_train, num_val and num_test are all 0: no split to write")
+    if rows_per_shard < 1:
+        raise SynthError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out = Location.of(out)
     counts = {}
     for split, n in (("train", num_train), ("val", num_val), ("test", num_test)):
