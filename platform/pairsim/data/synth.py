@@ -301,8 +301,8 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
         raise SynthError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
     if unknown := set(hard_negatives) - {"val", "test"}:
         raise SynthError(f"hard_negatives: only the val and test splits can be hard, not {', '.join(sorted(unknown))}")
-    sizes = {"num_train": num_train, "num_val": num_val, "num_test": num_test}
-    if negative := [f"{name}={n}" for name, n in sizes.items() if n < 0]:
+    sizes = {"train": num_train, "val": num_val, "test": num_test}
+    if negative := [f"num_{split}={n}" for split, n in sizes.items() if n < 0]:
         raise SynthError(f"split sizes must be >= 0 (0: no such split), got {', '.join(negative)}")
     if not any(sizes.values()):
         raise SynthError("num_train, num_val and num_test are all 0: no split to write")
@@ -310,8 +310,8 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
         raise SynthError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
     out = Location.of(out)
     counts = {}
-    for split, n in (("train", num_train), ("val", num_val), ("test", num_test)):
-        if n <= 0:
+    for split, n in sizes.items():
+        if n == 0:
             continue
         rows = split_records(seed, split, n, image_size, captions, split in hard_negatives)
         if progress:
