@@ -164,6 +164,11 @@ def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_datase
     assert "--split" in capsys.readouterr().err
     assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 1
     assert "no pairsim_model.json: not a complete pairsim checkpoint" in capsys.readouterr().err
+    missing = tmp_path / "mlflwo.db"  # a mistyped store: named, and not made empty
+    for command in (["export", "--out", str(tmp_path / "m.pt")], ["evaluate", "--data", str(tiny_dataset)]):
+        assert main([*command, "--run-id", "0123abcd", "--tracking-uri", f"sqlite:///{missing}"]) == 1
+        assert f"no MLflow store at sqlite:///{missing} (no such file" in capsys.readouterr().err
+    assert not missing.exists()
 
 
 # ------------------------------------------------------------- strict values, params owned by the entry

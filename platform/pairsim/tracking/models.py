@@ -20,9 +20,15 @@ MODEL_ARTIFACTS = "model"  # where a run's exported model lives among its MLflow
 
 
 def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[Path]:
-    """A training run's exported model (its best checkpoint's, logged under ``model/``) → ``out``."""
+    """A training run's exported model (its best checkpoint's, logged under ``model/``) → ``out``.
+    A sqlite store that does not exist is refused, naming it, before MLflow would create an
+    empty one there."""
     import mlflow.artifacts
 
+    prefix = "sqlite:///"
+    if tracking_uri.startswith(prefix) and not Path(tracking_uri[len(prefix):]).is_file():
+        raise FileNotFoundError(f"run {run_id}: no MLflow store at {tracking_uri} (no such file; "
+                                f"--tracking-uri or MLFLOW_TRACKING_URI names the store the run is in)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
