@@ -5,9 +5,10 @@
     python benchmarks/bench_all.py --only losses eval      # some of them
 
 ``bench_demo`` (the demo as shipped, ~9 min: the figures the README and the Quick start show)
-runs at the documented sizes only, and so do the research figures, last (~80 min together):
-``reproduce.py`` (the papers' table), ``unified_figure5.py`` (Figure 5 from its base) and
-``reproduce.py --setting scratch`` (the table from a random model, ``reproduce_scratch``).
+runs at the documented sizes only, and so do the research figures, last (~2 h together):
+``reproduce.py`` (the papers' table), ``unified_figure5.py`` (Figure 5 from its base),
+``cusa_tradeoff.py`` (CUSA's α, β trade-off from the same base) and ``reproduce.py --setting
+scratch`` (the table from a random model, ``reproduce_scratch``).
 
 Runs each benchmark script in its own process, one after another (never two at once: they
 time the machine), with the arguments of the chosen profile, each writing
@@ -46,18 +47,20 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
     "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
-    # the research figures (~80 min together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives ×
-    # 3 seeds), then the Unified paper's Figure 5 as a sweep (9 trials) from the same base, then the from-scratch table
+    # the research figures (~2 h together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives ×
+    # 3 seeds), then the Unified paper's Figure 5 as a sweep (9 trials) and CUSA's trade-off as a multi-objective sweep
+    # (16 trials) from the same base, then the from-scratch table
     "reproduce": ([], None),
     "figure5": ([], None),
+    "tradeoff": ([], None),
     # the reproduction table's other setting: the presets on a randomly initialised model (~25 min)
     "scratch": (["--setting", "scratch"], None),
 }
 # benchmarks/<script>.py where not bench_<name>
-SCRIPTS = {"reproduce": "reproduce", "figure5": "unified_figure5", "scratch": "reproduce"}
+SCRIPTS = {"reproduce": "reproduce", "figure5": "unified_figure5", "tradeoff": "cusa_tradeoff", "scratch": "reproduce"}
 RESULTS_NAMES = {"scratch": "reproduce_scratch"}  # <results name>.json/.md where not the script's name
-# Figure 5 fine-tunes the reproduction's base on its corpus, and the settings are folders side by side: one work folder
-WORK = {"figure5": "reproduce", "scratch": "reproduce"}
+# the sweeps fine-tune the reproduction's base on its corpus, and the settings are folders side by side: one work folder
+WORK = {"figure5": "reproduce", "tradeoff": "reproduce", "scratch": "reproduce"}
 
 
 def script(name: str) -> str:

@@ -183,13 +183,44 @@ def row(metrics: dict[str, float], hard: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def evaluate_export(model_file: Path, cfg: RunConfig, splits: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """An exported model evaluated, as it is, on ``cfg``'s data: each split's metrics (no prefix)."""
+    model, _ = retrieval.load_exported(model_file)
+    return {split: suite.evaluate_split(inference.embed_with_ray_data(model, cfg, split, progress=False),
+                                        retrieval.fusion_module(model, cfg.model), cfg.eval.ks).metrics
+            for split in splits}
+
+
 def evaluate_base(base: Path, cfg: RunConfig) -> dict[str, float]:
     """The base model's row: the export evaluated, as it is, on the val and hard splits."""
-    model, _ = retrieval.load_exported(base)
-    reports = {split: suite.evaluate_split(inference.embed_with_ray_data(model, cfg, split, progress=False),
-                                           retrieval.fusion_module(model, cfg.model), cfg.eval.ks).metrics
-               for split in ("val", "test")}
+    reports = evaluate_export(base, cfg, ("val", "test"))
     return row({f"val/{k}": v for k, v in reports["val"].items()}, reports["test"])
+
+
+def sweep_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a research sweep from the table's base (``unified_figure5.py``,
+    ``cusa_tradeoff.py``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--init-from", metavar="MODEL", help="the pretrained model every trial starts from")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a key of the sweep file or its base config, as for pairsim tune")
+    parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"),
+                        help="benchmarks/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
+    results.add_results_argument(parser)
+    return parser
+
+
+def finetune_start(out: Path, init_from: str | None) -> list[str]:
+    """The overrides that make a research sweep (Figure 5, CUSA's trade-off) fine-tune as the
+    table does: from ``init_from``, else from the table's pretrained base (trained here if not
+    cached under ``out``) on its fine-tuning corpus, into its stores."""
+    if init_from:
+        return [f"model.init_from={init_from}"]
+    base = cached_stage(out, "pretrain", PRETRAIN_CORPUS, [PROTOCOL / "pretrain.yaml"], [])
+    return [f"model.init_from={base}", f"data.path={SETTINGS['pretrained'].corpus.ensure(out)}",
+            f"ray.storage_path={out / 'ray'}", f"tracking.tracking_uri=sqlite:///{out}/mlflow.db",
+            "tracking.experiment=reproduce"]
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:

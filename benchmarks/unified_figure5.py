@@ -18,7 +18,6 @@ the sweep file's keys as ``pairsim tune`` does (``data.path=DIR``, ``sweep.max_c
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -61,27 +60,11 @@ def tables(curves: list[list[figures.Point]], verdicts: list[figures.Verdict], m
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--init-from", metavar="MODEL", help="the pretrained model every trial starts from")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a key of the sweep file or its base config, as for pairsim tune")
-    parser.add_argument("--name", help="sweep name (default sweep-<date>-<time>); an existing one is resumed")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/reproduce"),
-                        help="benchmarks/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
-    results.add_results_argument(parser)
-    args = parser.parse_args(argv)
+    args = reproduce.sweep_parser(__doc__).parse_args(argv)
     log.setup()
     started = time.perf_counter()
     try:
-        if args.init_from:
-            start = [f"model.init_from={args.init_from}"]
-        else:  # the reproduction table's base, corpus and stores
-            out = args.out.resolve()
-            base = reproduce.cached_stage(out, "pretrain", reproduce.PRETRAIN_CORPUS, [reproduce.PROTOCOL / "pretrain.yaml"], [])
-            start = [f"model.init_from={base}", f"data.path={reproduce.SETTINGS['pretrained'].corpus.ensure(out)}",
-                     f"ray.storage_path={out / 'ray'}", f"tracking.tracking_uri=sqlite:///{out}/mlflow.db",
-                     "tracking.experiment=reproduce"]
-        sweep = load_sweep(SPACE, start + args.overrides)
+        sweep = load_sweep(SPACE, reproduce.finetune_start(args.out.resolve(), args.init_from) + args.overrides)
         outcome = run_sweep(sweep, args.name)
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)

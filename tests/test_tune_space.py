@@ -707,6 +707,27 @@ def test_pareto_front_is_what_no_trial_dominates():
         assert firsts == sorted(firsts, reverse=True)
 
 
+def test_results_csv_reads_back_as_it_was_written(tmp_path):
+    """``read_csv`` inverts ``write_csv`` for a multi-objective sweep (the CUSA trade-off's):
+    points, best metric, last-epoch objectives, run ids and a failed trial's empty cells and
+    error; the front computed from the file is the front of the rows."""
+    from pairsim.tune.results import TrialRow, pareto_front, read_csv, write_csv
+
+    sweep = load_sweep(REPO / "tune_spaces" / "cusa_tradeoff.yaml")
+    rng = np.random.default_rng(1)
+    rows = [TrialRow(f"{i:05d}", "finished", 3, {"loss.cusa.alpha": float(rng.uniform(0.01, 1)),
+                                                  "loss.cusa.beta": float(rng.uniform(0.125, 2))},
+                     float(rng.uniform(300, 450)), f"run{i}",
+                     values={"val/rsum": float(rng.uniform(300, 450)), "val/i2i_mAP@R": float(rng.uniform(5, 20))})
+            for i in range(6)]
+    rows.append(TrialRow("00006", "failed", 0, {"loss.cusa.alpha": 0.5, "loss.cusa.beta": 1.0}, None,
+                         error="RuntimeError: boom, with a comma"))
+    write_csv(rows, sweep, tmp_path / "results.csv")
+    back = read_csv(tmp_path / "results.csv", sweep)
+    assert back == rows
+    assert pareto_front(back, sweep.objectives) == pareto_front(rows, sweep.objectives)
+
+
 def test_a_pbt_clone_starts_its_run_directory_from_the_donors_checkpoint(tmp_path):
     """``adopt_clone`` on a Tune checkpoint as the trial function reports it: its own trial's is
     left alone (the run resumes from its directory); another's moves the run directory aside and

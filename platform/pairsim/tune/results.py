@@ -163,6 +163,21 @@ def write_csv(rows: list[TrialRow], sweep: Sweep, path: Path) -> None:
                              row.run_id or "", row.error])
 
 
+def read_csv(path: Path, sweep: Sweep) -> list[TrialRow]:
+    """The rows :func:`write_csv` wrote (their points, best metric, last-epoch objectives, run and
+    error; not their curves), in the file's order: a finished sweep's results compared or
+    re-ranked later without Ray."""
+    import yaml
+
+    last = [m for m, _ in sweep.objectives] if sweep.multi_objective else []
+    with open(path, newline="") as f:
+        return [TrialRow(r["trial_id"], r["status"], int(r["epochs"]),
+                         {k: yaml.safe_load(r[k]) for k in sweep.keys if r[k] != ""},
+                         float(r[sweep.metric]) if r[sweep.metric] else None, r["mlflow_run_id"] or None, r["error"],
+                         values={m: float(r[f"last {m}"]) for m in last if r[f"last {m}"]})
+                for r in csv.DictReader(f)]
+
+
 def write_front(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]:
     """A multi-objective sweep's Pareto front: ``pareto.csv`` (its trials, best first on the first
     objective), ``pareto.png`` (every trial on the first two objectives, the front drawn) and
