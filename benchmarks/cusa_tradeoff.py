@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     val = reproduce.evaluate_export(Path(sweep.base.model.init_from), sweep.base, ("val",))["val"]
     base = {m: val[m.removeprefix("val/")] for m, _ in sweep.objectives}
     summary = outcome.out_dir / "cusa_tradeoff.json"
-    summary.write_text(json.dumps({"sweep": outcome.name, "base_model": sweep.base.model.init_from, "base": base,
+    summary.write_text(json.dumps({"sweep": outcome.name, "base_model": str(sweep.base.model.init_from), "base": base,
                                    "objectives": sweep.objectives}, indent=2))
     with tracking.RunLogger(outcome.tracking_uri, outcome.parent_run_id) as run:
         run.log_artifact(summary)
