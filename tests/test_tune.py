@@ -4,6 +4,7 @@ per trial and its plots, ``best.yaml`` reproducing the best trial, and a sweep d
 SIGKILL then resumed into the same parent run without re-running or duplicating a trial."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -317,11 +318,12 @@ def test_pb2_proposes_a_clones_lr_once_the_population_has_progress_to_learn_from
     assert curve[2] > curve[1] + 10, curve  # from the first's epoch-1 weights
 
 
-def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path):
+def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path, capsys):
     """Optuna's multi-objective TPE over m and γ for val RSUM and image→image mAP@R, 3 trials of
     one epoch, two at a time: the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
-    values in ``results.csv``), each front trial's ``front/<trial>.yaml`` is its run config, and
-    the parent run holds the front, its picture and those files."""
+    values in ``results.csv``), each front trial's ``front/<trial>.yaml`` is its run config, the
+    row printed as each trial ends shows its last i2i mAP@R too, and the parent run holds the
+    front, its picture and those files."""
     import csv
 
     from pairsim.tune.results import pareto_front
@@ -345,6 +347,9 @@ def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_pat
     for trial, (rsum, mapr) in table.items():  # dominated iff off the front, from the CSV's numbers
         beaten = any(o[0] >= rsum and o[1] >= mapr and o != (rsum, mapr) for o in table.values())
         assert beaten == (trial not in on_front), (trial, table, on_front)
+    printed = capsys.readouterr().out
+    for trial, (rsum, mapr) in table.items():  # as each trial ended, before the final table
+        assert re.search(rf"^{trial}\s.*\s{rsum:.2f}\s+{mapr:.2f}\s+1\s+finished", printed, re.M), printed
     for row in front:
         point = {k: float(row[k]) for k in sweep.keys}
         assert load_config(outcome.out_dir / "front" / f"{row['trial_id']}.yaml") == sweep.trial_config(point)

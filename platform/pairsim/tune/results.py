@@ -201,7 +201,7 @@ def write_front(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]
         path.write_text(best_yaml(row, sweep, out_dir.name, front=True))
         written.append(path)
     (x, x_mode), (y, y_mode) = sweep.objectives[:2]
-    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    fig, ax = plt.subplots(figsize=(10.0, 4.8))
     scored = [r for r in rows if x in r.values and y in r.values]
     ax.scatter([r.values[x] for r in scored], [r.values[y] for r in scored], c="tab:grey", alpha=0.6, label="trial")
     steps = sorted(front, key=lambda r: r.values[x])
@@ -209,6 +209,10 @@ def write_front(rows: list[TrialRow], sweep: Sweep, out_dir: Path) -> list[Path]
     for row in front:
         ax.annotate(row.trial_id[-5:], (row.values[x], row.values[y]), fontsize=7, xytext=(3, 3),
                     textcoords="offset points")
+    points = [f"{row.trial_id[-5:]}  " + "  ".join(f"{_short(k)} {_value(v)}" for k, v in row.point.items())
+              for row in front]  # beside the axes: the front's points, best first on the first objective
+    ax.text(1.03, 1.0, "Pareto front:\n" + "\n".join(points), transform=ax.transAxes, va="top", fontsize=7,
+            family="monospace")
     ax.set_xlabel(f"{x} ({x_mode} is better)")
     ax.set_ylabel(f"{y} ({y_mode} is better)")
     ax.set_title(f"{len(front)} of {len(scored)} trials on the Pareto front (last epoch)", fontsize=10)

@@ -187,6 +187,7 @@ class SweepProgress(tune.Callback):
         self.started = time.time()
         self.epochs: dict[str, int] = {}
         self.best: dict[str, float] = {}
+        self.last: dict[str, dict[str, float]] = {}  # each objective at the trial's latest epoch
         self.ended: dict[str, str] = {}
 
     def setup(self, **info) -> None:
@@ -200,6 +201,7 @@ class SweepProgress(tune.Callback):
             old = self.best.get(trial.trial_id)
             better = max if self.sweep.mode == "max" else min
             self.best[trial.trial_id] = value if old is None else better(old, value)
+        self.last[trial.trial_id] = {m: float(result[m]) for m, _ in self.sweep.objectives if result.get(m) is not None}
 
     def _end(self, trials, trial, status: str, error: str = "") -> None:
         self.ended[trial.trial_id] = status
@@ -208,7 +210,8 @@ class SweepProgress(tune.Callback):
             tags = {results.STATUS_TAG: status.replace(" ", "_")} | ({tracking.ERROR_TAG: error[:5000]} if error else {})
             tracking.set_run_status(self.tracking_uri, run_id, results.MLFLOW_STATUS[status], tags)
         row = results.TrialRow(trial.trial_id, status, self.epochs.get(trial.trial_id, 0),
-                               self.sweep.point_of(trial.config), self.best.get(trial.trial_id), run_id, error)
+                               self.sweep.point_of(trial.config), self.best.get(trial.trial_id), run_id, error,
+                               values=self.last.get(trial.trial_id, {}))
         print(results.format_row(row, self.sweep), flush=True)
         print(self._progress(trials), flush=True)
 
