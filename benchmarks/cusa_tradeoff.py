@@ -29,11 +29,9 @@ import pandas as pd
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import reproduce
 import results
-from pairsim import log, tracking
-from pairsim.config import ConfigError
+from pairsim import tracking
 from pairsim.tune.results import TrialRow, pareto_front
-from pairsim.tune.space import Sweep, load_sweep
-from pairsim.tune.sweep import run_sweep
+from pairsim.tune.space import Sweep
 
 SPACE = Path(__file__).resolve().parents[1] / "tune_spaces" / "cusa_tradeoff.yaml"
 WEIGHTS = {"loss.cusa.alpha": "α", "loss.cusa.beta": "β"}
@@ -66,15 +64,11 @@ def tables(rows: list[TrialRow], sweep: Sweep, base: dict[str, float]) -> list[r
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = reproduce.sweep_parser(__doc__).parse_args(argv)
-    log.setup()
     started = time.perf_counter()
-    try:
-        sweep = load_sweep(SPACE, reproduce.finetune_start(args.out.resolve(), args.init_from) + args.overrides)
-        outcome = run_sweep(sweep, args.name)
-    except ConfigError as exc:
-        print(f"pairsim: config error: {exc}", file=sys.stderr)
+    ran = reproduce.research_sweep(SPACE, __doc__, argv)
+    if ran is None:
         return 2
+    args, sweep, outcome = ran
     val = reproduce.evaluate_export(Path(sweep.base.model.init_from), sweep.base, ("val",))["val"]
     base = {m: val[m.removeprefix("val/")] for m, _ in sweep.objectives}
     summary = outcome.out_dir / "cusa_tradeoff.json"

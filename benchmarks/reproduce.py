@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,13 +50,15 @@ import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 from pairsim import cluster, log
 from pairsim.cli import DEMO_CONFIG, objective_config
-from pairsim.config import RunConfig, load_config
+from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.data import synth
 from pairsim.eval import inference, suite
 from pairsim.eval.suite import MODALITIES, grid_metric_name
 from pairsim.models import retrieval
 from pairsim.models.saved import read_card
 from pairsim.train import checkpoints, driver
+from pairsim.tune.space import load_sweep
+from pairsim.tune.sweep import run_sweep
 
 PROTOCOL = DEMO_CONFIG.parent / "reproduce"
 OBJECTIVES = {"base": "base (as is)", "infonce": "InfoNCE", "triplet_hn": "Triplet-HN", "unified": "Unified",
@@ -209,6 +212,19 @@ def sweep_parser(doc: str) -> argparse.ArgumentParser:
                         help="benchmarks/reproduce.py's folder: its cached base, corpus, MLflow store and runs")
     results.add_results_argument(parser)
     return parser
+
+
+def research_sweep(space: Path, doc: str, argv: list[str] | None):
+    """A research sweep's command line parsed (:func:`sweep_parser`) and its sweep run from the
+    table's base: (arguments, sweep, outcome), or None after printing a config error."""
+    args = sweep_parser(doc).parse_args(argv)
+    log.setup()
+    try:
+        sweep = load_sweep(space, finetune_start(args.out.resolve(), args.init_from) + args.overrides)
+        return args, sweep, run_sweep(sweep, args.name)
+    except ConfigError as exc:
+        print(f"pairsim: config error: {exc}", file=sys.stderr)
+        return None
 
 
 def finetune_start(out: Path, init_from: str | None) -> list[str]:

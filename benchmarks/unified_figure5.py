@@ -25,11 +25,7 @@ from pathlib import Path
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import reproduce
 import results
-from pairsim import log
-from pairsim.config import ConfigError
 from pairsim.tune import figures
-from pairsim.tune.space import load_sweep
-from pairsim.tune.sweep import run_sweep
 
 SPACE = Path(__file__).resolve().parents[1] / "tune_spaces" / "unified_figure5.yaml"
 FIGURE5 = figures.Figure(
@@ -60,15 +56,11 @@ def tables(curves: list[list[figures.Point]], verdicts: list[figures.Verdict], m
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = reproduce.sweep_parser(__doc__).parse_args(argv)
-    log.setup()
     started = time.perf_counter()
-    try:
-        sweep = load_sweep(SPACE, reproduce.finetune_start(args.out.resolve(), args.init_from) + args.overrides)
-        outcome = run_sweep(sweep, args.name)
-    except ConfigError as exc:
-        print(f"pairsim: config error: {exc}", file=sys.stderr)
+    ran = reproduce.research_sweep(SPACE, __doc__, argv)
+    if ran is None:
         return 2
+    args, sweep, outcome = ran
     curves, verdicts = figures.report(FIGURE5, sweep, outcome)
     results.publish("unified_figure5", tables(curves, verdicts, sweep.metric), args.results,
                     time.perf_counter() - started)
