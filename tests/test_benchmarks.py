@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from pairsim.tune.space import load_sweep
+
 REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_all  # noqa: E402
+import cusa_tradeoff  # noqa: E402
 import reproduce  # noqa: E402
 import results  # noqa: E402
 import unified_figure5  # noqa: E402
@@ -71,11 +74,13 @@ def test_each_documented_table_is_the_rendering_of_its_results_file():
 
 
 def test_the_research_tables_are_their_runs_files_rendered():
-    """The reproduction's and Figure 5's results files, which the Objectives page includes, hold
-    what their scripts make of the files the page cites: the runs files of the reproduction's
-    two settings (22 runs from the pretrained base, 21 from a random model), and the Figure 5
-    sweep's points and verdicts beside its picture."""
+    """The reproduction's, Figure 5's and CUSA's trade-off's results files, which the Objectives
+    page includes, hold what their scripts make of the files the page cites: the runs files of
+    the reproduction's two settings (22 runs from the pretrained base, 21 from a random model),
+    the Figure 5 sweep's points and verdicts beside its picture, and the trade-off sweep's
+    ``results.csv`` with its base's metrics (the front computed anew from the file)."""
     from pairsim.tune import figures
+    from pairsim.tune.results import read_csv
 
     def rows(tables) -> list:
         return json.loads(json.dumps([table.rows for table in tables]))
@@ -96,6 +101,13 @@ def test_the_research_tables_are_their_runs_files_rendered():
     assert len(made[0].rows) == 10 and len(made[1].rows) == 3
     published = json.loads((REPO / "benchmarks" / "results" / "unified_figure5.json").read_text())
     assert rows(made) == [table["rows"] for table in published["tables"]], "docs/figures/unified_figure5.json"
+    sweep = load_sweep(cusa_tradeoff.SPACE)
+    trials = read_csv(REPO / "docs" / "figures" / "cusa_tradeoff_results.csv", sweep)
+    summary = json.loads((REPO / "docs" / "figures" / "cusa_tradeoff.json").read_text())
+    made = cusa_tradeoff.tables(trials, sweep, summary["base"])
+    assert len(made[0].rows) == 1 + sweep.settings.num_samples and len(made[1].rows) == 2
+    published = json.loads((REPO / "benchmarks" / "results" / "cusa_tradeoff.json").read_text())
+    assert rows(made) == [table["rows"] for table in published["tables"]], "docs/figures/cusa_tradeoff_results.csv"
 
 
 def test_a_rendered_table_shows_what_its_json_holds():
