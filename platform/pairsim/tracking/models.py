@@ -26,7 +26,7 @@ def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[
     import mlflow.artifacts
 
     prefix = "sqlite:///"
-    if tracking_uri.startswith(prefix) and not Path(tracking_uri[len(prefix):]).is_file():
+    if tracking_uri.startswith(prefix) and not Path(tracking_uri[len(prefix):].split("?", 1)[0]).is_file():
         raise FileNotFoundError(f"run {run_id}: no MLflow store at {tracking_uri} (no such file; "
                                 f"--tracking-uri or MLFLOW_TRACKING_URI names the store the run is in)")
     out = Path(out)
