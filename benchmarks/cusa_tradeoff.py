@@ -65,10 +65,7 @@ def tables(rows: list[TrialRow], sweep: Sweep, base: dict[str, float]) -> list[r
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    ran = reproduce.research_sweep(SPACE, __doc__, argv)
-    if ran is None:
-        return 2
-    args, sweep, outcome = ran
+    args, sweep, outcome = reproduce.research_sweep(SPACE, __doc__, argv)
     val = reproduce.evaluate_export(Path(sweep.base.model.init_from), sweep.base, ("val",))["val"]
     base = {m: val[m.removeprefix("val/")] for m, _ in sweep.objectives}
     summary = outcome.out_dir / "cusa_tradeoff.json"

@@ -216,7 +216,7 @@ def sweep_parser(doc: str) -> argparse.ArgumentParser:
 
 def research_sweep(space: Path, doc: str, argv: list[str] | None):
     """A research sweep's command line parsed (:func:`sweep_parser`) and its sweep run from the
-    table's base: (arguments, sweep, outcome), or None after printing a config error."""
+    table's base: (arguments, sweep, outcome); a config error is printed and exits with status 2."""
     args = sweep_parser(doc).parse_args(argv)
     log.setup()
     try:
@@ -224,7 +224,7 @@ def research_sweep(space: Path, doc: str, argv: list[str] | None):
         return args, sweep, run_sweep(sweep, args.name)
     except ConfigError as exc:
         print(f"pairsim: config error: {exc}", file=sys.stderr)
-        return None
+        raise SystemExit(2) from None
 
 
 def finetune_start(out: Path, init_from: str | None) -> list[str]:

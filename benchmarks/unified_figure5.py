@@ -57,10 +57,7 @@ def tables(curves: list[list[figures.Point]], verdicts: list[figures.Verdict], m
 
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
-    ran = reproduce.research_sweep(SPACE, __doc__, argv)
-    if ran is None:
-        return 2
-    args, sweep, outcome = ran
+    args, sweep, outcome = reproduce.research_sweep(SPACE, __doc__, argv)
     curves, verdicts = figures.report(FIGURE5, sweep, outcome)
     results.publish("unified_figure5", tables(curves, verdicts, sweep.metric), args.results,
                     time.perf_counter() - started)
