@@ -158,15 +158,15 @@ def test_selection_metric_that_is_never_reported_is_refused(metric):
 
 
 def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_dataset, capsys):
-    assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 1
-    assert "no pairsim_model.json: not a complete pairsim checkpoint" in capsys.readouterr().err
+    assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset)]) == 2
+    assert "pairsim_model.json" in capsys.readouterr().err
     assert main(["evaluate", "--checkpoint", str(tmp_path), "--data", str(tiny_dataset), "--split", "dev"]) == 2
     assert "--split" in capsys.readouterr().err
-    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 1
-    assert "no pairsim_model.json: not a complete pairsim checkpoint" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "m.pt")]) == 2
+    assert "pairsim_model.json" in capsys.readouterr().err
     missing = tmp_path / "mlflwo.db"  # a mistyped store: named, and not made empty
     for command in (["export", "--out", str(tmp_path / "m.pt")], ["evaluate", "--data", str(tiny_dataset)]):
-        assert main([*command, "--run-id", "0123abcd", "--tracking-uri", f"sqlite:///{missing}"]) == 1
+        assert main([*command, "--run-id", "0123abcd", "--tracking-uri", f"sqlite:///{missing}"]) == 2
         assert f"no MLflow store at sqlite:///{missing} (no such file" in capsys.readouterr().err
     assert not missing.exists()
 
@@ -220,7 +220,7 @@ def test_cli_refuses_bad_counts_naming_the_flag(tmp_path, capsys, command, flag,
 
 def test_synth_with_no_split_to_write_is_refused_in_one_line(tmp_path, capsys, ray_never_starts):
     out = tmp_path / "d"
-    assert main(["data", "synth", "--out", str(out), "--num-train", "0", "--num-val", "0", "--num-test", "0"]) == 1
+    assert main(["data", "synth", "--out", str(out), "--num-train", "0", "--num-val", "0", "--num-test", "0"]) == 2
     assert capsys.readouterr().err == "pairsim: num_train, num_val and num_test are all 0: no split to write\n"
     assert not out.exists()
 

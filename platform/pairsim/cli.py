@@ -16,7 +16,8 @@ from pairsim import log, storage
 from pairsim.config import ConfigError, RunConfig, check_tracking_uri, load_config
 from pairsim.data.build_config import BuildConfig
 from pairsim.data.builder import BuildError
-from pairsim.data.synth import MIN_IMAGE_SIZE, SynthError
+from pairsim.data.synth import MIN_IMAGE_SIZE
+from pairsim.errors import InputError
 from pairsim.jobs import JobStopped, stop_on_signals
 from pairsim.locks import NameInUse
 from pairsim.registry import DATA_FORMATS
@@ -28,8 +29,17 @@ DEMO_SWEEP = Path(__file__).parent / "configs" / "demo_sweep.yaml"
 DEMO_SWEEP_SHAPES = {"num_train": 3000, "num_val": 500, "num_test": 0}  # scenes of the demo sweep's dataset
 
 
+def path_arg(value: str) -> Path:
+    """A local path argument: not empty (it would mean this directory) and without a NUL byte."""
+    if not value.strip() or "\x00" in value:
+        raise argparse.ArgumentTypeError(f"not a usable path: {value[:80]!r}")
+    return Path(value)
+
+
 def location_arg(value: str) -> str | Path:
-    """An argument that is a local path or an object-store URI (:func:`pairsim.storage.parse`)."""
+    """An argument that is a local path (:func:`path_arg`) or an object-store URI
+    (:func:`pairsim.storage.parse`)."""
+    path_arg(value)
     try:
         return storage.parse(value)
     except ValueError as exc:
@@ -286,7 +296,8 @@ def _field_type(annotation: Any) -> Callable[[str], Any]:
             kinds.add(kind)
     if {Path, str} <= kinds:
         return location_arg
-    return next(kind for kind in (Path, int, float, str) if kind in kinds)
+    kind = next(kind for kind in (Path, int, float, str) if kind in kinds)
+    return path_arg if kind is Path else kind
 
 
 def add_shards_parser(sub) -> None:
@@ -311,7 +322,7 @@ def add_shards_parser(sub) -> None:
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=location_arg)
     inspect.add_argument("--samples", type=int_at_least(0), default=4, help="rows to print")
-    inspect.add_argument("--sheet", type=Path, help="write a contact sheet PNG of the first split here (none by default: "
+    inspect.add_argument("--sheet", type=path_arg, help="write a contact sheet PNG of the first split here (none by default: "
                                                    "nothing is written into the dataset)")
     inspect.set_defaults(func=_shards_inspect)
     verify = commands.add_parser("verify", help="read every shard in full: files, rows and SHA-256s against the "
@@ -363,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pairsim", description=__doc__)
     parser.add_argument("--log-level", type=str.upper, choices=log.LEVELS,
                         help=f"pairsim's log level (default: ${log.ENV_VAR}, else INFO)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of any failure (by default an expected one is one line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="generate the shapes data if absent and train a tiny CLIP on it")
@@ -374,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     train = sub.add_parser("train", help="train from a YAML run config")
-    train.add_argument("--config", type=Path, action="append", required=True,
+    train.add_argument("--config", type=path_arg, action="append", required=True,
                        help="YAML run config; repeat to layer files left to right")
     add_overrides(train)
     train.add_argument("--resume", action="store_true",
@@ -383,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=lambda args: _train(load_config(args.config, args.overrides), args.resume))
 
     sweep = sub.add_parser("tune", help="a Ray Tune sweep from a search-space file (tune_spaces/*.yaml)")
-    sweep.add_argument("--space", type=Path, required=True, help="sweep file: base config, space, sweep settings")
+    sweep.add_argument("--space", type=path_arg, required=True, help="sweep file: base config, space, sweep settings")
     add_overrides(sweep, help="override: sweep.* and space.* keys change the sweep file (e.g. sweep.num_samples=4), "
                               "others its base run config (e.g. train.epochs=3)")
     names = sweep.add_mutually_exclusive_group()
@@ -392,9 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=lambda args: _tune(args.space, args.overrides, args.name, args.resume))
 
     extract = sub.add_parser("extract-teacher", help="embed a dataset with the run's CUSA teachers, to train from disk")
-    extract.add_argument("--config", type=Path, action="append", required=True,
+    extract.add_argument("--config", type=path_arg, action="append", required=True,
                          help="YAML run config with loss.cusa teachers; repeat to layer files")
-    extract.add_argument("--out", type=Path, required=True, help="directory for the teacher features")
+    extract.add_argument("--out", type=path_arg, required=True, help="directory for the teacher features")
     extract.add_argument("--splits", nargs="+", default=None, help="splits to embed (default: data.train_split)")
     extract.add_argument("--batch-size", type=int_at_least(1), default=64)
     extract.add_argument("--concurrency", type=int_at_least(1), default=1, help="Ray Data actors running the teachers")
@@ -415,7 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="open_clip weights (+ heads side file) from a checkpoint or run")
     _add_model_source(export)
-    export.add_argument("--out", type=Path, required=True, help="weights file, e.g. model.pt")
+    export.add_argument("--out", type=path_arg, required=True, help="weights file, e.g. model.pt")
     export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
                                                              "it under NAME in MLflow's model registry")
     export.set_defaults(func=_export)
@@ -432,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="what this machine and cluster give a run, and whether the config's "
                                            "choices (GPUs, precision, optimizer, storage) can run; exit 1 if not")
-    doctor.add_argument("--config", type=Path, action="append", help="YAML run config (default: the built-in "
+    doctor.add_argument("--config", type=path_arg, action="append", help="YAML run config (default: the built-in "
                                                                       "defaults); repeat to layer files")
     add_overrides(doctor)
     doctor.set_defaults(func=_doctor)
@@ -442,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
-    synth.add_argument("--out", type=Path, required=True)
+    synth.add_argument("--out", type=path_arg, required=True)
     synth.add_argument("--num-train", type=int_at_least(0), default=10_000, help="0: no train split")
     synth.add_argument("--num-val", type=int_at_least(0), default=500, help="0: no val split")
     synth.add_argument("--num-test", type=int_at_least(0), default=500, help="0: no test split")
@@ -459,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its expected failures end in one line on stderr and :func:`exit_status`'s
+    status (a traceback only with ``--debug``, or for a bug)."""
     args = build_parser().parse_args(argv)
     ray_before = _RayBefore()
     try:
@@ -469,18 +484,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pairsim: {exc}", file=sys.stderr)
         ray_before.stop_what_came_since()
         return 128 + exc.signum
-    except NameInUse as exc:  # another run, sweep or build holds the name
-        print(f"pairsim: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        print(f"pairsim: config error: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
-        if not isinstance(exc, _reported_errors()):
+        status = exit_status(exc)
+        if status is None or args.debug:
             raise
         ray_before.stop_what_came_since()  # first: Ray's forwarding of its workers' tracebacks ends, this line is last
         print(f"pairsim: {_message(exc)}", file=sys.stderr)
+        return status
+
+
+USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+def exit_status(exc: Exception) -> int | None:
+    """2 for bad input (:class:`~pairsim.errors.InputError`: flags, configs, files, names in use;
+    or a path given that is missing, of the wrong kind or not permitted), 1 for a failure of work
+    that started (the reported runtime errors, other OS errors such as a full disk), None for
+    anything else: a bug, shown with its traceback."""
+    if isinstance(exc, (InputError, *USER_PATH_ERRORS)):
+        return 2
+    if isinstance(exc, _reported_errors() + (OSError,)):
         return 1
+    return None
 
 
 class _RayBefore:
@@ -516,17 +541,20 @@ def _message(exc: Exception) -> str:
     to a failed read's (its retry advice)."""
     from pairsim.data.shard_reader import checksum_failure
 
+    if isinstance(exc, ConfigError) and not isinstance(exc, NameInUse):
+        return f"config error: {exc}"
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:  # as the OS said it, with the path
+        return f"{exc.filename}: {exc.strerror}"
     return str(checksum_failure(exc) or getattr(exc, "cause", None) or exc)
 
 
 def _reported_errors() -> tuple[type[Exception], ...]:
-    """Errors the CLI reports in one line (exit 1) rather than as a traceback; imported on use,
-    as the engine's pulls in torch."""
+    """Runtime failures the CLI reports in one line (exit 1) rather than as a traceback; imported
+    on use, as the engine's pulls in torch."""
     from pairsim.cluster import WorkersNotStarting
     from pairsim.data.shards import ShardError
-    from pairsim.models.saved import UnsafeCheckpointError
 
-    return BuildError, FileNotFoundError, ShardError, SweepFailed, SynthError, UnsafeCheckpointError, WorkersNotStarting
+    return BuildError, ShardError, SweepFailed, WorkersNotStarting
 
 
 if __name__ == "__main__":

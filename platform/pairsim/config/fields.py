@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Str
 from pydantic_core import PydanticCustomError
 
 from pairsim import storage
+from pairsim.errors import InputError
 from pairsim.registry import Registry
 
 # Numbers and flags are taken as written: no bool for a number, no string for either, no float
@@ -31,7 +32,7 @@ PathOrUri = Annotated[Path | str, BeforeValidator(_path_or_uri)]
 :mod:`pairsim.storage`): the scheme is checked and credentials in it are refused."""
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A run configuration that cannot be used; the message lists every problem."""
 
 

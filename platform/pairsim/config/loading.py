@@ -85,8 +85,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any
             continue
         try:
             set_dotted(tree, key.strip(), _yaml_load(raw) if raw.strip() else None)
+        except yaml.YAMLError as exc:
+            errors.append(f"--set {item[:200]!r}: not valid YAML: {exc}")
         except ValueError as exc:
-            errors.append(f"--set {item!r}: {exc}")
+            errors.append(f"--set {item[:200]!r}: {exc}")
     if errors:
         raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
     return tree

@@ -25,16 +25,21 @@ byte-identical for the same arguments.
 from __future__ import annotations
 
 import io
+import json
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from pairsim import locks, outputs
 from pairsim.data import shards
-from pairsim.storage import Location, LocationLike
+from pairsim.data.builder import BUILD_LOCK
+from pairsim.errors import InputError
+from pairsim.storage import LocationLike
 
 SHAPES = {
     "circle": ["circle", "disc", "round shape"],
@@ -102,7 +107,7 @@ class SceneObject:
 MIN_IMAGE_SIZE = 24  # pixels a side: the smallest that draws a 3×3 scene
 
 
-class SynthError(ValueError):
+class SynthError(InputError):
     """Arguments :func:`generate` cannot make a dataset from."""
 
 
@@ -231,6 +236,7 @@ def make_record(seed: int, split: str, index: int, image_size: int, captions: st
     return _record(objects, image, texts, f"{split}-{index:07d}", f"pairsim-shapes/seed={seed}")
 
 
+MARKER = ".pairsim-synth.json"  # in a dataset generate() wrote: its arguments, written before any shard
 VARIANTS = ("colour", "shape", "relation")  # what each member after a family's first changes
 FAMILIES_VERSION = 2  # 2: a family's objects 1 and 2 are never same_kind (1 drew them as they came)
 
@@ -292,7 +298,10 @@ def split_records(seed: int, split: str, n: int, image_size: int, captions: str,
 def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num_test: int = 500,
              image_size: int = 64, seed: int = 0, rows_per_shard: int = 2_000,
              progress: bool = True, captions: str = "scene", hard_negatives: Sequence[str] = ()) -> shards.Manifest:
-    """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``;
+    """Write the train/val/test splits as Parquet shards under ``out`` plus ``manifest.json``.
+    ``out`` is new, empty, or a dataset this function wrote (its :data:`MARKER`), which is
+    replaced whole; anything else is refused (:class:`pairsim.outputs.OutputRefused`) before a
+    file is written, and a second writer by the lock (:class:`pairsim.locks.NameInUse`).
     ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text);
     ``hard_negatives``: the val/test splits built of hard-negative families (train never is)."""
     if image_size < MIN_IMAGE_SIZE:
@@ -308,23 +317,33 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
         raise SynthError("num_train, num_val and num_test are all 0: no split to write")
     if rows_per_shard < 1:
         raise SynthError(f"rows_per_shard must be >= 1, got {rows_per_shard}")
-    out = Location.of(out)
-    counts = {}
-    for split, n in sizes.items():
-        if n == 0:
-            continue
-        rows = split_records(seed, split, n, image_size, captions, split in hard_negatives)
-        if progress:
-            rows = tqdm(rows, total=n, desc=f"synth {split}", unit="img")
-        counts[split] = shards.write_split(rows, out / split, rows_per_shard)
-    return shards.write_manifest(
-        out, source="pairsim-shapes", splits=counts,
-        generator={"seed": seed, "image_size": image_size, "labels": LABELS}
-        | ({"captions": captions} if captions != "scene" else {})  # plain manifests as they were
-        | ({"hard_negatives": {"splits": sorted(hard_negatives), "family": ["base", *VARIANTS],
-                               "version": FAMILIES_VERSION}}
-           if hard_negatives else {}),
-    )
+    arguments = {"num_train": num_train, "num_val": num_val, "num_test": num_test, "image_size": image_size,
+                 "seed": seed, "rows_per_shard": rows_per_shard, "captions": captions,
+                 "hard_negatives": sorted(hard_negatives)}
+    out = outputs.claim_directory(out, "--out", owned_by=[MARKER], ignored=[BUILD_LOCK])
+    with locks.hold(out / BUILD_LOCK, f"--out {out}"):
+        (out / MARKER).write_text(json.dumps(arguments))  # first: the directory is this command's output
+        (out / shards.MANIFEST).delete()  # a run never reads a half-written dataset
+        for split in sizes:  # an earlier, larger dataset's shards would stay beside the new ones
+            for shard in (out / split).files(".parquet"):
+                if re.fullmatch(r"part-\d{5}\.parquet", shard.name):
+                    shard.delete()
+        counts = {}
+        for split, n in sizes.items():
+            if n == 0:
+                continue
+            rows = split_records(seed, split, n, image_size, captions, split in hard_negatives)
+            if progress:
+                rows = tqdm(rows, total=n, desc=f"synth {split}", unit="img")
+            counts[split] = shards.write_split(rows, out / split, rows_per_shard)
+        return shards.write_manifest(
+            out, source="pairsim-shapes", splits=counts,
+            generator={"seed": seed, "image_size": image_size, "labels": LABELS}
+            | ({"captions": captions} if captions != "scene" else {})  # plain manifests as they were
+            | ({"hard_negatives": {"splits": sorted(hard_negatives), "family": ["base", *VARIANTS],
+                                   "version": FAMILIES_VERSION}}
+               if hard_negatives else {}),
+        )
 
 
 def ensure(out: LocationLike, **sizes) -> LocationLike:

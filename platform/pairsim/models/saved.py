@@ -7,20 +7,20 @@ inside its folder (:func:`outside`) and matching its SHA-256 (:func:`checksum_pr
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from pairsim import storage
-from pairsim.config import Bool, Float, Int, ModelConfig, Section, format_errors
+from pairsim import storage, untrusted
+from pairsim.config import Bool, Float, Int, ModelConfig, Section
+from pairsim.errors import InputError
 
 MAX_METADATA_BYTES = 1 << 20  # a card or checksum file: a few kB as pairsim writes them
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(InputError):
     """A checkpoint or export refused before any of it is loaded: a file that links outside its
     folder or differs from its checksum, a card or checksum file that is not what pairsim
     writes, or a pickle that would run code."""
@@ -66,18 +66,7 @@ Metadata = TypeVar("Metadata", bound=BaseModel)
 def read_metadata(source: storage.LocationLike, kind: type[Metadata]) -> Metadata:
     """A card or checksum file (a path or a URI) as ``kind``; :class:`MetadataError` naming the
     file and every wrong field otherwise."""
-    location = storage.Location.of(source)
-    data = location.read_bounded(MAX_METADATA_BYTES, MetadataError, "not a file pairsim writes")
-    try:
-        tree = json.loads(data.decode("utf-8"))
-    except ValueError as exc:  # not UTF-8 or not JSON
-        raise MetadataError(f"{location}: not JSON ({exc})") from None
-    except RecursionError:
-        raise MetadataError(f"{location}: not JSON pairsim writes (nested too deeply)") from None
-    try:
-        return kind.model_validate(tree)
-    except ValidationError as exc:
-        raise MetadataError(format_errors(exc, str(location))) from None
+    return untrusted.read_model(source, kind, MAX_METADATA_BYTES, MetadataError)
 
 
 def read_card(source: storage.LocationLike) -> ModelCard:

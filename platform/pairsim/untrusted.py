@@ -1,0 +1,91 @@
+"""Reading back what pairsim wrote — manifests, model cards, checksum files, build markers, sweep
+state, lock files — as untrusted input. On shared storage another user, a crashed writer or an
+attacker may have changed any of it, so each file is read here: bounded in size, parsed as JSON
+(never unpickled), validated into a typed model that names every wrong field, and every name in
+it that becomes a path resolved under its root (:func:`child`). A file whose bytes pairsim
+vouches for by a digest it recorded is checked with :func:`verify_digest` before it is used.
+
+Which files of a run, sweep or dataset directory are as trusted as code: docs/reliability.md."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from pairsim.config import format_errors
+from pairsim.errors import InputError
+from pairsim.storage import Location, LocationLike
+
+PLAIN_NAME = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}"  # one directory level: no '..', no hidden name, no separator
+
+
+class UntrustedFileError(InputError):
+    """A file read back that is not what pairsim writes: unreadable, too large, not JSON, a field
+    missing or of the wrong type, a name leaving its root, or bytes that differ from their digest."""
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def read_json(source: LocationLike, max_bytes: int, error: type[Exception] = UntrustedFileError) -> Any:
+    """The JSON tree of the file at ``source``, read up to ``max_bytes``; ``error`` naming the
+    file when it cannot be read, is larger, or is not UTF-8 JSON."""
+    location = Location.of(source)
+    data = location.read_bounded(max_bytes, error, "not a file pairsim writes")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except ValueError as exc:  # not UTF-8 or not JSON
+        raise error(f"{location}: not JSON ({exc})") from None
+    except RecursionError:
+        raise error(f"{location}: not JSON pairsim writes (nested too deeply)") from None
+
+
+def read_model(source: LocationLike, kind: type[Model], max_bytes: int,
+               error: type[Exception] = UntrustedFileError) -> Model:
+    """The file at ``source`` (:func:`read_json`) as ``kind``; ``error`` naming the file and every
+    wrong field otherwise."""
+    tree = read_json(source, max_bytes, error)
+    try:
+        return kind.model_validate(tree)
+    except ValidationError as exc:
+        raise error(format_errors(exc, str(Location.of(source)))) from None
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` is one plain directory or file name (:data:`PLAIN_NAME`)."""
+    return isinstance(name, str) and re.fullmatch(PLAIN_NAME, name) is not None
+
+
+def child(root: LocationLike, name: str, what: str, error: type[Exception] = UntrustedFileError) -> Location:
+    """``root / name`` for a ``name`` read from a file (a split, a shard, a trial): ``error``
+    naming ``what`` unless it is one plain name, so the path stays under ``root``."""
+    if not is_plain_name(name):
+        raise error(f"{what}: {str(name)[:80]!r} is not a plain file or directory name; it could lead outside "
+                    f"{root}")
+    return Location.of(root) / name
+
+
+def sha256(source: LocationLike) -> str:
+    """The SHA-256 of the file at ``source``, read in blocks."""
+    digest = hashlib.sha256()
+    with Location.of(source).open_input() as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_digest(source: LocationLike, expected: str, error: type[Exception] = UntrustedFileError) -> None:
+    """``error`` unless the file at ``source`` has the SHA-256 ``expected`` (recorded when pairsim
+    wrote it): a file reused or loaded on the strength of that record is checked first."""
+    location = Location.of(source)
+    try:
+        found = sha256(location)
+    except OSError as exc:
+        raise error(f"{location}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
+    if found != expected:
+        raise error(f"{location}: its content differs from the SHA-256 pairsim recorded when it wrote it "
+                    "(altered or cut short since)")

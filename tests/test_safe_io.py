@@ -1,0 +1,156 @@
+"""The one writer (:mod:`pairsim.outputs`) and the one error boundary (:func:`pairsim.cli.main`),
+as a careless or hostile user meets them (issue 51): a writer refuses what it does not own
+before any work and leaves no stale file; every command maps bad input to one line and exit 2."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from pairsim import cli, locks
+from pairsim.data import shards, synth
+from pairsim.data.builder import BUILD_LOCK
+from pairsim.outputs import OutputRefused, check_file_target, claim_directory
+
+SMALL = ["--num-train", "12", "--num-val", "4", "--num-test", "0", "--rows-per-shard", "5"]
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_failure(capsys, status: int, expected: int) -> str:
+    err = capsys.readouterr().err
+    assert status == expected, err
+    assert err.startswith("pairsim: ") and "Traceback" not in err, err
+    return err
+
+
+def test_synth_refuses_a_directory_of_someone_elses_files(tmp_path, capsys):
+    out = tmp_path / "d"
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "part-00000.parquet").write_text("the user's own table")
+    before = tree_digest(out)
+    err = one_line_failure(capsys, cli.main(["data", "synth", "--out", str(out), *SMALL]), 2)
+    assert "part-00000.parquet" in err
+    assert tree_digest(out) == before
+
+
+def test_synth_refuses_to_replace_a_dataset_built_from_another_source(tmp_path, capsys):
+    out = tmp_path / "csv-built"
+    synth.generate(tmp_path / "shapes", num_train=5, num_val=0, num_test=0, progress=False)
+    (out / "train").mkdir(parents=True)
+    (out / "train" / "part-00000.parquet").write_bytes((tmp_path / "shapes/train/part-00000.parquet").read_bytes())
+    shards.write_manifest(out, "csv:pairs.csv", {"train": {"images": 5, "captions": 25, "shards": 1}})
+    before = tree_digest(out)
+    one_line_failure(capsys, cli.main(["data", "synth", "--out", str(out), *SMALL]), 2)
+    assert tree_digest(out) == before
+
+
+def test_a_smaller_second_synth_leaves_no_stale_shard(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert cli.main(["data", "synth", "--out", str(out), "--num-train", "30", "--num-val", "10", "--num-test", "0",
+                     "--rows-per-shard", "5"]) == 0
+    assert len(list((out / "train").glob("*.parquet"))) == 6
+    assert cli.main(["data", "synth", "--out", str(out), *SMALL]) == 0
+    assert sorted(p.name for p in (out / "train").glob("*.parquet")) == [shards.shard_name(i) for i in range(3)]
+    assert cli.main(["shards", "verify", str(out)]) == 0
+    assert shards.read_manifest(out).splits["train"].images == 12
+    user_file = out / "train" / "notes.txt"  # not a shard: a replacement leaves it
+    user_file.write_text("mine")
+    assert cli.main(["data", "synth", "--out", str(out), *SMALL]) == 0
+    assert user_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("target", ["/dev/null", "file", "link"])
+def test_synth_refuses_a_device_a_file_or_a_link_where_its_directory_goes(tmp_path, capsys, target):
+    path = {"/dev/null": Path("/dev/null"), "file": tmp_path / "file", "link": tmp_path / "link"}[target]
+    if target == "file":
+        path.write_text("keep")
+    if target == "link":
+        path.symlink_to(tmp_path / "file-elsewhere")
+        (tmp_path / "file-elsewhere").write_text("keep")
+    before = tree_digest(tmp_path)
+    one_line_failure(capsys, cli.main(["data", "synth", "--out", str(path), *SMALL]), 2)
+    assert tree_digest(tmp_path) == before
+    assert not Path("/dev/null.json").exists()
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_output(tmp_path, capsys):
+    out = tmp_path / "d"
+    synth.generate(out, num_train=5, num_val=0, num_test=0, progress=False)
+    before = tree_digest(out)
+    with locks.hold(out / BUILD_LOCK, "the first writer"):
+        one_line_failure(capsys, cli.main(["data", "synth", "--out", str(out), *SMALL]), 2)
+        assert {k: v for k, v in tree_digest(out).items() if k != BUILD_LOCK} == before
+
+
+def test_claim_directory_tells_owned_from_foreign(tmp_path):
+    assert claim_directory(tmp_path / "new", "--out", ["mark"]).path == str(tmp_path / "new")
+    (tmp_path / "lock-only").mkdir()
+    (tmp_path / "lock-only" / "x.lock").write_text("{}")
+    claim_directory(tmp_path / "lock-only", "--out", ["mark"], ignored=["x.lock"])  # empty but for a lock
+    (tmp_path / "lock-only" / "data.bin").write_text("foreign")
+    with pytest.raises(OutputRefused, match="data.bin"):  # a lock proves nothing about the rest
+        claim_directory(tmp_path / "lock-only", "--out", ["mark"], ignored=["x.lock"])
+    (tmp_path / "lock-only" / "mark").write_text("{}")
+    claim_directory(tmp_path / "lock-only", "--out", ["mark"])
+
+
+def test_check_file_target_refuses_all_but_a_new_or_owned_file(tmp_path):
+    assert check_file_target(tmp_path / "new.pt", "--out") == tmp_path / "new.pt"
+    (tmp_path / "old.pt").write_text("x")
+    with pytest.raises(OutputRefused, match="did not write"):
+        check_file_target(tmp_path / "old.pt", "--out")
+    assert check_file_target(tmp_path / "old.pt", "--out", owned=True)
+    (tmp_path / "link.pt").symlink_to(tmp_path / "old.pt")
+    for path, kind in ((tmp_path, "a directory"), (Path("/dev/null"), "a character device"),
+                       (tmp_path / "link.pt", "a symbolic link")):
+        with pytest.raises(OutputRefused, match=kind):
+            check_file_target(path, "--out", owned=True)
+    with pytest.raises(OutputRefused, match="under-a-file.pt"):
+        check_file_target(tmp_path / "old.pt" / "under-a-file.pt", "--out")
+
+
+@pytest.mark.parametrize("value", ['!!python/object/apply:os.system ["touch TMP/pwned"]', "[&a 1, *a]", "\x1b",
+                                  "{a: 1, a: 2}", "[" * 200, "\x00"])
+def test_yaml_in_a_set_value_is_refused_in_one_line(tmp_path, capsys, value):
+    status = cli.main(["train", "--set", f"train.epochs={value.replace('TMP', str(tmp_path))}", "--config",
+                       str(cli.DEMO_CONFIG)])
+    err = one_line_failure(capsys, status, 2)
+    assert "train.epochs" in err
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_input_exits_2_in_every_command(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    (tmp_path / "config.yaml").write_text("train: {epochs: 1}\n")
+    commands = [
+        ["train", "--config", str(missing / "run.yaml")],
+        ["tune", "--space", str(missing / "sweep.yaml")],
+        ["doctor", "--config", str(tmp_path / "config.yaml"), "--set", "train.epochs=-1"],
+        ["shards", "inspect", str(missing)],
+        ["shards", "verify", str(missing)],
+        ["data", "synth", "--out", str(tmp_path / "d"), "--num-train", "0", "--num-val", "0", "--num-test", "0"],
+        ["export", "--checkpoint", str(missing), "--out", str(tmp_path / "m.pt")],
+        ["evaluate", "--checkpoint", str(missing), "--data", str(missing)],
+        ["checkpoints", "verify", str(missing)],
+        ["extract-teacher", "--config", str(missing / "run.yaml"), "--out", str(tmp_path / "t")],
+    ]
+    for command in commands:
+        one_line_failure(capsys, cli.main(command), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(OutputRefused):
+        cli.main(["--debug", "data", "synth", "--out", "/dev/null"])
+
+
+def test_synth_marks_its_output_before_writing_a_shard(tmp_path):
+    out = tmp_path / "d"
+    synth.generate(out, num_train=3, num_val=0, num_test=0, progress=False, seed=7)
+    assert json.loads((out / synth.MARKER).read_text())["seed"] == 7
+    assert not (out / BUILD_LOCK).exists()
