@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pairsim.data import builder, shards
+from pairsim.data import builder, shards, sources
 from pairsim.config import ConfigError
 from pairsim.data.build_config import BuildConfig
 
@@ -243,12 +243,12 @@ def test_bad_options_and_unreadable_inputs_are_named(tmp_path):
     with pytest.raises(ConfigError, match="format"):
         BuildConfig.from_args(format="tsv", input=tmp_path, out=tmp_path)
     (tmp_path / "list.csv").write_text("path,text\na.jpg,hello\n")
-    with pytest.raises(builder.BuildError, match="lacks the image column 'filepath'"):
+    with pytest.raises(sources.SourceError, match="lacks the image column 'filepath'"):
         builder.build(BuildConfig(format="csv", input=tmp_path / "list.csv", out=tmp_path / "o"), progress=False)
-    with pytest.raises(builder.BuildError, match="no such file"):
+    with pytest.raises(sources.SourceError, match="no such file"):
         builder.build(BuildConfig(format="folder", input=tmp_path / "nope.jsonl", out=tmp_path / "o"), progress=False)
     (tmp_path / "x.tar").write_bytes(b"\x1f\x8b compressed")
-    with pytest.raises(builder.BuildError, match="not an uncompressed tar"):
+    with pytest.raises(sources.SourceError, match="not an uncompressed tar"):
         builder.build(BuildConfig(format="webdataset", input=tmp_path / "x.tar", out=tmp_path / "o"), progress=False)
 
 
@@ -372,7 +372,7 @@ def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_in
     assert 3 <= len(rows["val"]) <= 18  # 10 expected of 40
     assert build(tmp_path / "b", 0)[1] == rows  # the same draw again
     assert build(tmp_path / "c", 1)[1]["val"].keys() != rows["val"].keys()
-    with pytest.raises(builder.BuildError, match="--val-share: .* already gives the splits train, val"):
+    with pytest.raises(ConfigError, match="--val-share: .* already gives the splits train, val"):
         builder.build(BuildConfig(format="karpathy", input=make_karpathy(tmp_path / "k")[0],
                                  images_root=tmp_path / "k" / "images", out=tmp_path / "k-out", val_share=0.1,
                                  max_reject_share=0.5), progress=False)
@@ -466,8 +466,6 @@ def test_a_key_twice_in_one_tar_is_rejected_not_replaced(tmp_path):
 def test_image_paths_cannot_leave_the_images_root(fmt, tmp_path):
     """``..``, an absolute path and a symlink out each name a readable image outside the root:
     each is rejected (the builder would otherwise read and store any file), the good one kept."""
-    from pairsim.data import sources
-
     root = tmp_path / "dataset"
     _gradients(root, 1)
     _gradient(30, 30).save(tmp_path / "secret.png")
@@ -525,7 +523,7 @@ def test_a_damaged_manifest_is_named_before_training(damage, tmp_path):
     manifest = json.loads(path.read_text())
     if damage == "not json":
         path.write_text(path.read_text()[:40])
-        field = "file: Invalid JSON"
+        field = "not JSON"
     elif damage == "a field missing":
         del manifest["splits"]["train"]["images"]
         path.write_text(json.dumps(manifest))
@@ -535,5 +533,5 @@ def test_a_damaged_manifest_is_named_before_training(damage, tmp_path):
         path.write_text(json.dumps(manifest))
         field = "splits.val.shards: Input should be a valid integer"
     cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match=rf"data.path: {path}: not a pairsim manifest \({field}"):
+    with pytest.raises(ConfigError, match=rf"data.path: {path}: (not a pairsim manifest \()?{field}"):
         driver.check_ready(cfg)

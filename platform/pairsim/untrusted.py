@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from pairsim.config import format_errors
 from pairsim.errors import InputError
@@ -53,6 +53,23 @@ def read_model(source: LocationLike, kind: type[Model], max_bytes: int,
         return kind.model_validate(tree)
     except ValidationError as exc:
         raise error(format_errors(exc, str(Location.of(source)))) from None
+
+
+def read_json_lines(source: LocationLike, row: Any, max_bytes: int,
+                    error: type[Exception] = UntrustedFileError) -> list[Any]:
+    """The lines of the JSON Lines file at ``source`` (:func:`read_json`'s bounds), each validated
+    as ``row`` (a type pydantic knows, e.g. ``dict[str, str]``); ``error`` naming the file and
+    the first wrong line otherwise."""
+    location = Location.of(source)
+    data = location.read_bounded(max_bytes, error, "not a file pairsim writes")
+    adapter, rows, number = TypeAdapter(row), [], 1
+    try:
+        for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
+            rows.append(adapter.validate_python(json.loads(line), strict=True))
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or not a row (ValidationError)
+        raise error(f"{location}: line {number} is not what pairsim writes "
+                    f"({str(exc).splitlines()[0][:200]})") from None
+    return rows
 
 
 def is_plain_name(name: object) -> bool:

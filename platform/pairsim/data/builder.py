@@ -5,7 +5,8 @@ The build runs one Ray Data task per shard (so it scales out on a cluster): read
 clean them (:func:`clean_image`), write the shard atomically, then its marker
 (``DIR/.build/<split>/part-00000.json``). Shards are planned on the driver from the source
 listing alone, so the output is the same whatever the order tasks finish in, and a re-run skips
-every shard whose marker matches its plan.
+every shard whose marker matches its plan and whose file still has the SHA-256 the marker
+recorded (any other is rebuilt).
 """
 
 from __future__ import annotations
@@ -14,22 +15,26 @@ import collections
 import hashlib
 import io
 import json
-import re
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+from pydantic import BaseModel, ConfigDict
 from tqdm import tqdm
 
-from pairsim import locks
+from pairsim import locks, outputs, untrusted
+from pairsim.config import ConfigError
 from pairsim.data import sources
-from pairsim.data.build_config import SPLIT_NAME, BuildConfig
-from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, reject_summary,
-                                 shard_name, write_manifest, write_shard)
+from pairsim.data.build_config import BuildConfig
+from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, read_rejects,
+                                 reject_summary, shard_name, write_manifest, write_shard)
+from pairsim.log import get_logger
 from pairsim.registry import DATA_FORMATS
 from pairsim.storage import Location
+
+logger = get_logger("shards")
 
 
 class RejectedImage(ValueError):
@@ -93,11 +98,26 @@ def clean_image(raw: bytes, max_side: int, jpeg_quality: int) -> tuple[bytes, in
 # --------------------------------------------------------------------------- the build
 
 class BuildError(RuntimeError):
-    """A build that cannot complete: too many rejects, or an unreadable input."""
+    """A build that started and cannot complete: too many rejects, or shards that did not."""
 
 
 BUILD_LOCK = "pairsim-build.lock"  # in the output while a build writes it (pairsim.locks)
 MARKERS = ".build"
+STARTED = f"{MARKERS}/build.json"  # written before any shard: the output is a build's, killed or not
+MAX_MARKER_BYTES = 64 * 2**20  # a shard's rejects included
+
+
+class ShardMarker(BaseModel):
+    """A shard's completion marker (``DIR/.build/<split>/part-00000.json``): the fingerprint of
+    the plan it was built from, its counts and rejects, and its file's size and SHA-256."""
+
+    model_config = ConfigDict(frozen=True)
+    fingerprint: str
+    images: int
+    captions: int
+    rejects: list[dict[str, str]]
+    bytes: int
+    sha256: str
 
 
 def plan_shards(records: list[sources.Record], cfg: BuildConfig) -> list[dict[str, Any]]:
@@ -131,15 +151,21 @@ def _marker_path(out: Location, split: str, index: int) -> Location:
     return out / MARKERS / split / shard_name(index).replace(".parquet", ".json")
 
 
-def _read_marker(out: Location, plan: dict[str, Any]) -> dict[str, Any] | None:
-    """The shard's marker if the shard is complete and was built from this very plan."""
+def _read_marker(out: Location, plan: dict[str, Any], check_shard: bool = True) -> ShardMarker | None:
+    """The shard's marker if it was built from this very plan and (``check_shard``) its file
+    still has the SHA-256 the marker recorded; None otherwise: the shard is to be built. A
+    garbled marker, or a shard altered or gone since its marker, is warned about."""
     path = _marker_path(out, plan["split"], plan["index"])
-    try:
-        marker = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    if not path.is_file():
         return None
-    if marker.get("fingerprint") != plan["fingerprint"] \
-            or (out / plan["split"] / shard_name(plan["index"])).size() != marker.get("bytes"):
+    try:
+        marker = untrusted.read_model(path, ShardMarker, MAX_MARKER_BYTES)
+        if marker.fingerprint != plan["fingerprint"]:
+            return None
+        if check_shard:
+            untrusted.verify_digest(out / plan["split"] / shard_name(plan["index"]), marker.sha256)
+    except untrusted.UntrustedFileError as exc:
+        logger.warning("%s; rebuilding the shard", exc)
         return None
     return marker
 
@@ -168,9 +194,9 @@ class BuildShard:
             rows.append({"image": image, "image_id": record.image_id, "captions": record.captions, "label": -1,
                          "label_name": None, "width": width, "height": height, "source": record.source})
         size, sha256 = write_shard(rows, self.out / plan["split"] / shard_name(plan["index"]))
-        marker = {"fingerprint": plan["fingerprint"], "images": len(rows),
-                  "captions": sum(len(r["captions"]) for r in rows), "rejects": rejects, "bytes": size, "sha256": sha256}
-        _marker_path(self.out, plan["split"], plan["index"]).write_text(json.dumps(marker))
+        marker = ShardMarker(fingerprint=plan["fingerprint"], images=len(rows),
+                             captions=sum(len(r["captions"]) for r in rows), rejects=rejects, bytes=size, sha256=sha256)
+        _marker_path(self.out, plan["split"], plan["index"]).write_text(marker.model_dump_json())
         return {"split": plan["split"], "index": plan["index"], "images": len(rows), "rejected": len(rejects)}
 
 
@@ -207,8 +233,8 @@ def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
     except FileNotFoundError:
         return {}
     if manifest.schema_version != SCHEMA_VERSION:
-        raise BuildError(f"{out}: its manifest has schema version {manifest.schema_version}, this pairsim "
-                         f"writes {SCHEMA_VERSION}; build into a new directory")
+        raise outputs.OutputRefused(f"--out {out}: its manifest has schema version {manifest.schema_version}, "
+                                    f"this pairsim writes {SCHEMA_VERSION}; build into a new directory")
     others = {name: counts.model_dump() for name, counts in manifest.splits.items() if name not in built}
     if others:
         write_manifest(out, manifest.source, others)
@@ -220,13 +246,9 @@ def _other_splits(out: Location, built: list[str]) -> dict[str, dict[str, Any]]:
 def _write_rejects(out: Location, rejects: list[dict[str, str]], built: list[str]) -> int:
     """``rejects.jsonl``: this build's rejects, each with its split, after the earlier builds'
     rejects of the other splits; returns its number of lines."""
-    kept = []
-    if (out / REJECTS).is_file():
-        for line in (out / REJECTS).read_text().splitlines():
-            old = json.loads(line)
-            if old.get("split") and not set(old["split"].split(",")) & set(built):
-                kept.append(line)
-    lines = kept + [json.dumps(reject, ensure_ascii=False, sort_keys=True) for reject in rejects]
+    kept = [old for old in (read_rejects(out) if (out / REJECTS).is_file() else [])
+            if old.get("split") and not set(old["split"].split(",")) & set(built)]
+    lines = [json.dumps(reject, ensure_ascii=False, sort_keys=True) for reject in kept + rejects]
     (out / REJECTS).write_text("".join(line + "\n" for line in lines))
     return len(lines)
 
@@ -239,63 +261,56 @@ def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
     ``cfg.val_share`` holds out a seeded share of the images as split ``val``. Raises
     :class:`BuildError` when more than ``max_reject_share`` of the images (or captions) is
     rejected — after writing ``rejects.jsonl``, and without listing the built splits in the
-    manifest, so they cannot be trained on by mistake. The build holds ``cfg.out`` while it
-    writes (:data:`BUILD_LOCK`): a second build into it is refused (:class:`pairsim.locks.NameInUse`).
+    manifest, so they cannot be trained on by mistake.
+
+    ``cfg.out`` is a new or empty directory, a pairsim dataset (a split is added beside the
+    others) or a build's killed before its manifest (resumed from its markers); anything else is
+    refused before any work (:class:`pairsim.outputs.OutputRefused`), as is an input that gives
+    nothing to build (:class:`pairsim.data.sources.SourceError`). The build holds ``cfg.out``
+    while it writes (:data:`BUILD_LOCK`): a second build into it is refused
+    (:class:`pairsim.locks.NameInUse`).
     """
-    with locks.hold(Location.of(cfg.out) / BUILD_LOCK, f"--out {cfg.out}"):
-        return _build(cfg, progress)
+    out = outputs.claim_directory(cfg.out, "--out", owned_by=(MANIFEST, STARTED), ignored=(REJECTS, BUILD_LOCK))
+    with locks.hold(out / BUILD_LOCK, f"--out {cfg.out}"):
+        return _build(cfg, out, progress)
 
 
-def _check_output(out: Location) -> None:
-    """A build writes into a new or empty directory, a pairsim dataset (a split is added beside
-    the others) or a build of its own killed before its manifest (resumed from its markers);
-    anything else is refused, naming a file: its files could be overwritten or deleted."""
-    if (out / MANIFEST).is_file() or (out / MARKERS).files(recursive=True):
-        return
-    others = [f for f in out.files(recursive=True) if f.name not in (BUILD_LOCK, REJECTS)]
-    if others:
-        raise BuildError(f"--out {out}: not a pairsim dataset (no {MANIFEST}) and not empty ({len(others)} files, "
-                         f"e.g. {others[0]}): a build could overwrite or delete them; choose a new or empty directory")
-
-
-def _build(cfg: BuildConfig, progress: bool) -> Manifest:
+def _build(cfg: BuildConfig, out: Location, progress: bool) -> Manifest:
     import ray
 
     from pairsim import cluster
 
-    _check_output(Location.of(cfg.out))
-    try:
-        options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
-        listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split, **options)
-    except sources.SourceError as exc:
-        raise BuildError(str(exc)) from None
+    options = {keyword: getattr(cfg, name) for name, keyword in DATA_FORMATS[cfg.format].options.items()}
+    listing = sources.list_source(cfg.format, cfg.input, cfg.images_root, cfg.split, **options)
     if not listing.records:
-        raise BuildError(f"{cfg.input}: no usable image-caption records "
-                         f"({reject_summary([r.to_json() for r in listing.rejects]) or 'the input is empty'})")
+        raise sources.SourceError(f"{cfg.input}: no usable image-caption records "
+                                  f"({reject_summary([r.to_json() for r in listing.rejects]) or 'the input is empty'})")
     records = []
     for record in listing.records:  # a split name becomes a directory: it must stay one, inside the output
-        if re.fullmatch(SPLIT_NAME, record.split):
+        if untrusted.is_plain_name(record.split):
             records.append(record)
         else:
             listing.rejects.append(sources.Reject("record", record.source, "bad split name",
                                                   f"{record.split!r} is not a plain directory name", record.image_id))
     if not records:
-        raise BuildError(f"{cfg.input}: no record with a usable split name ({reject_summary([r.to_json() for r in listing.rejects])})")
+        raise sources.SourceError(f"{cfg.input}: no record with a usable split name "
+                                  f"({reject_summary([r.to_json() for r in listing.rejects])})")
     if cfg.val_share:
         listed = sorted({r.split for r in records})
         if listed != [cfg.split] or cfg.split == "val":
-            raise BuildError(f"--val-share: {cfg.input} already gives the splits {', '.join(listed)}; a share is "
-                             "held out of a source that gives one split, not val")
+            raise ConfigError(f"--val-share: {cfg.input} already gives the splits {', '.join(listed)}; a share is "
+                              "held out of a source that gives one split, not val")
         records = hold_out(records, cfg.val_share, cfg.val_seed)
         if not any(r.split == "val" for r in records) or all(r.split == "val" for r in records):
-            raise BuildError(f"--val-share {cfg.val_share}: of {len(records)} images none would stay in "
-                             f"{'val' if all(r.split == 'val' for r in records) else cfg.split}; change the share")
+            raise ConfigError(f"--val-share {cfg.val_share}: of {len(records)} images none would stay in "
+                              f"{'val' if all(r.split == 'val' for r in records) else cfg.split}; change the share")
     built = sorted({r.split for r in records})
-    out = Location.of(cfg.out)
+    (out / STARTED).write_text(cfg.model_dump_json() + "\n")
     others = _other_splits(out, built)
     plans = plan_shards(records, cfg)
     _remove_leftovers(out, plans, built)
-    pending = [p for p in plans if _read_marker(out, p) is None]
+    reused = {i: marker for i, plan in enumerate(plans) if (marker := _read_marker(out, plan))}
+    pending = [plan for i, plan in enumerate(plans) if i not in reused]
 
     bar = tqdm(total=len(plans), initial=len(plans) - len(pending), desc=f"shards {out.name}", unit="shard",
                disable=not progress)
@@ -310,21 +325,21 @@ def _build(cfg: BuildConfig, progress: bool) -> Manifest:
                                 f"{row['rejected']} rejected")
     bar.close()
 
-    markers = [(plan, _read_marker(out, plan)) for plan in plans]
+    markers = [(plan, reused.get(i) or _read_marker(out, plan, check_shard=False)) for i, plan in enumerate(plans)]
     incomplete = [shard_name(p["index"]) for p, m in markers if m is None]
     if incomplete:
         raise BuildError(f"{len(incomplete)} shards did not complete (e.g. {incomplete[0]}); re-run to resume")
     split_of = {r.image_id: r.split for r in records}
     unknown = cfg.split if cfg.format != "karpathy" else ",".join(built)  # a record too broken to have a split
     rejects = [r.to_json() | {"split": split_of.get(r.image_id, unknown)} for r in listing.rejects] + [
-        r | {"split": p["split"]} for p, m in markers for r in m["rejects"]]
+        r | {"split": p["split"]} for p, m in markers for r in m.rejects]
     rejected = _write_rejects(out, rejects, built)
 
     splits: dict[str, dict[str, Any]] = {}
     for plan, marker in markers:
         counts = splits.setdefault(plan["split"], {"images": 0, "captions": 0, "shards": 0})
-        counts["images"] += marker["images"]
-        counts["captions"] += marker["captions"]
+        counts["images"] += marker.images
+        counts["captions"] += marker.captions
         counts["shards"] += 1
     kept_images = sum(c["images"] for c in splits.values())
     kept_captions = sum(c["captions"] for c in splits.values())
@@ -346,4 +361,4 @@ def _build(cfg: BuildConfig, progress: bool) -> Manifest:
                    "duplicate_image_ids": sum(r.get("reason") == "duplicate image id" and r["split"] == name
                                               for r in rejects)}
     return write_manifest(out, source, others | splits, rejected=rejected,
-                          digests={f"{p['split']}/{shard_name(p['index'])}": m["sha256"] for p, m in markers})
+                          digests={f"{p['split']}/{shard_name(p['index'])}": m.sha256 for p, m in markers})

@@ -25,21 +25,24 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw, ImageFont, ImageOps
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from pairsim import outputs, untrusted
 from pairsim.config import DataConfig
 from pairsim.storage import Location, LocationLike, filesystem_and_paths
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 2**20  # half a million shards' SHA-256s fit; a larger file is not one pairsim wrote
 REJECTS = "rejects.jsonl"
+MAX_REJECTS_BYTES = 1 << 30  # a line per rejected image or caption: millions of lines fit
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -100,7 +103,7 @@ def shard_digests(root: LocationLike, split: str, digests: dict[str, str] | None
     ``split/file`` → digest already known, e.g. from the build's shard markers)."""
     digests = digests or {}
     return {path.name: digests.get(f"{split}/{path.name}") or file_digest(path)
-            for path in (Location.of(root) / split).files(".parquet")}
+            for path in split_dir(root, split).files(".parquet")}
 
 
 def split_content_hash(split: str, shards: dict[str, str]) -> str:
@@ -124,6 +127,26 @@ class ShardError(OSError):
     """A shard or manifest that is not what it should be: unreadable, or holding other rows."""
 
 
+class ManifestError(ShardError, untrusted.UntrustedFileError):
+    """A ``manifest.json`` that is not one pairsim wrote: unreadable, too large, not JSON, a field
+    missing or mistyped, or a split or shard name that would lead outside the dataset. Bad input
+    (an :class:`~pairsim.errors.InputError`), and a :class:`ShardError` for callers that catch those."""
+
+
+def _plain_name(name: str) -> str:
+    if not untrusted.is_plain_name(name):
+        raise ValueError("not a plain file or directory name; it could lead outside the dataset")
+    return name
+
+
+PlainName = Annotated[str, AfterValidator(_plain_name)]  # a split's directory, a shard's file: under the root
+
+
+def split_dir(root: LocationLike, split: str) -> Location:
+    """``root/split``, refused (:class:`ManifestError`) unless ``split`` is one plain name."""
+    return untrusted.child(root, split, f"{root}: split", ManifestError)
+
+
 class SplitInfo(BaseModel):
     """One split in ``manifest.json``: its counts, content hash and each shard's SHA-256 (none in
     a manifest written before pairsim recorded them). What a builder adds (``captions_recoded``,
@@ -134,7 +157,7 @@ class SplitInfo(BaseModel):
     captions: int
     shards: int
     content_hash: str
-    shard_sha256: dict[str, str] = {}
+    shard_sha256: dict[PlainName, str] = {}
     rejected: int = 0
     source: str = ""
 
@@ -146,7 +169,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
     schema_version: int = Field(ge=1, le=SCHEMA_VERSION, description="a newer pairsim's format is refused, not guessed at")
     source: str
-    splits: dict[str, SplitInfo]
+    splits: dict[PlainName, SplitInfo]
     rejected: int
     content_hash: str
 
@@ -182,20 +205,21 @@ def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, 
 
 
 def read_manifest(root: LocationLike) -> Manifest:
-    """``root``'s manifest; FileNotFoundError when there is none, :class:`ShardError` naming the
-    file when it is not one."""
+    """``root``'s manifest, read as untrusted input (:mod:`pairsim.untrusted`: at most
+    :data:`MAX_MANIFEST_BYTES`, every split and shard a plain name); FileNotFoundError when
+    there is none, :class:`ManifestError` naming the file when it is not one."""
     path = Location.of(root) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
             f"no dataset at {root}: {path} is missing (make one with `pairsim shards build … --out {root}`, "
             f"or the shapes data with `pairsim data synth --out {root}`)"
         )
+    tree = untrusted.read_json(path, MAX_MANIFEST_BYTES, ManifestError)
     try:
-        return Manifest.model_validate_json(path.read_text())
-    except (ValidationError, UnicodeDecodeError) as exc:
-        problems = (f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors()) \
-            if isinstance(exc, ValidationError) else [str(exc)]
-        raise ShardError(f"{path}: not a pairsim manifest ({'; '.join(problems)}); rebuild the dataset") from None
+        return Manifest.model_validate(tree)
+    except ValidationError as exc:
+        problems = (f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors())
+        raise ManifestError(f"{path}: not a pairsim manifest ({'; '.join(problems)}); rebuild the dataset") from None
 
 
 @dataclass(frozen=True)
@@ -224,15 +248,16 @@ class RunData:
 
 def split_shards(root: LocationLike, split: str, manifest: Manifest | None = None) -> list[Location]:
     """The shard files of one split, checked against its ``manifest`` (read from ``root`` when
-    not given)."""
+    not given): FileNotFoundError for a split it does not list, :class:`ShardError` when the
+    split's directory holds another number of shards than it lists."""
     root = Location.of(root)
     manifest = manifest or read_manifest(root)
     if split not in manifest.splits:
         raise FileNotFoundError(f"{root}: split {split!r} not in manifest (has {sorted(manifest.splits)})")
-    files = (root / split).files(".parquet")
+    files = split_dir(root, split).files(".parquet")
     if len(files) != manifest.splits[split].shards:
-        raise FileNotFoundError(f"{root}/{split}: manifest lists {manifest.splits[split].shards} shards, "
-                                f"found {len(files)}")
+        raise ShardError(f"{root}/{split}: manifest lists {manifest.splits[split].shards} shards, "
+                         f"found {len(files)}")
     return files
 
 
@@ -304,6 +329,11 @@ def label_and_caption_counts(root: LocationLike, split: str,
             pc.list_value_length(table.column("captions")).fill_null(0).to_numpy(zero_copy_only=False))
 
 
+def read_rejects(root: LocationLike) -> list[dict[str, str]]:
+    """``rejects.jsonl``'s lines (read back untrusted: each a JSON object of strings)."""
+    return untrusted.read_json_lines(Location.of(root) / REJECTS, dict[str, str], MAX_REJECTS_BYTES)
+
+
 def reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
     """The ``top`` most common (kind, reason) of ``rejects`` (rejects.jsonl's lines), counted."""
     counts = collections.Counter((r["kind"], r["reason"]) for r in rejects)
@@ -349,7 +379,9 @@ def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile
             lines += [caption[k:k + chars] for k in range(0, len(caption), chars)]
         for k, line in enumerate(lines[:caption_lines + 1]):
             draw.text((x, y + tile + 4 + k * line_h), line, fill="black" if k else "gray", font=font)
-    sheet.save(path)
+    png = io.BytesIO()
+    sheet.save(png, format="PNG")
+    Location.of(path).write_bytes(png.getvalue())
     return path
 
 
@@ -357,7 +389,10 @@ def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, she
     """A readable report — counts, schema, sample rows, top reject reasons — of a dataset whose
     every shard is first checked against its manifest (there, whole, with the rows it lists:
     :func:`verify_split`, footers only), and a contact sheet PNG of the first split written to
-    ``sheet`` when given (nothing is written into the dataset)."""
+    ``sheet`` when given (a new file: :func:`pairsim.outputs.check_file_target`; nothing is
+    written into the dataset)."""
+    if sheet:
+        outputs.check_file_target(sheet, "--sheet")
     root = Location.of(root)
     manifest = read_manifest(root)
     for split in sorted(manifest.splits):
@@ -369,7 +404,7 @@ def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, she
     lines.append(f"  rejected: {manifest.rejected}")
     rejects_file = root / REJECTS
     if manifest.rejected and rejects_file.is_file():
-        rejects = [json.loads(line) for line in rejects_file.read_text().splitlines()]
+        rejects = read_rejects(root)
         lines.append(f"  mostly {reject_summary(rejects)} (see {rejects_file})")
     first = sorted(manifest.splits)[0]
     lines += ["", "schema:", str(read_table(split_shards(root, first)[:1]).schema)]

@@ -24,13 +24,15 @@ from typing import Literal
 
 import pyarrow.parquet as pq
 
+from pairsim.errors import InputError
 from pairsim.registry import DATA_FORMATS
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
 
 
-class SourceError(ValueError):
-    """An input that cannot be read at all (as opposed to a bad record, which is rejected)."""
+class SourceError(InputError):
+    """An input that cannot be read at all or gives nothing to build (as opposed to a bad record,
+    which is rejected)."""
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,15 @@ def _finish(listing: Listing) -> Listing:
 
 
 def _image_file(images_root: Path, name: str | Path, where: str, listing: Listing) -> ImageRef | None:
-    """The image file ``name`` under ``images_root``; None, rejected, when it resolves outside
-    the root — through ``..``, an absolute path or a symlink (a list of paths must not make the
-    builder read and store any file on the machine)."""
+    """The image file ``name`` under ``images_root``; None, rejected, when it is no path (a NUL
+    byte) or resolves outside the root — through ``..``, an absolute path or a symlink (a list
+    of paths must not make the builder read and store any file on the machine)."""
     path, root = images_root / name, images_root.resolve()
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+    except ValueError as exc:  # "embedded null byte": no file has this name
+        listing.rejects.append(Reject("image", where, "bad path", f"{str(name)[:80]!r}: {exc}", str(name)))
+        return None
     if not resolved.is_relative_to(root):
         listing.rejects.append(Reject("image", where, "outside images root",
                                       f"{name} is {resolved}, not under {root}: set --images-root to a "
