@@ -154,3 +154,46 @@ def test_synth_marks_its_output_before_writing_a_shard(tmp_path):
     synth.generate(out, num_train=3, num_val=0, num_test=0, progress=False, seed=7)
     assert json.loads((out / synth.MARKER).read_text())["seed"] == 7
     assert not (out / BUILD_LOCK).exists()
+
+
+@pytest.mark.parametrize("line", ["not json", "[1, 2]", '{"kind": 3}', '{"kind": ' * 5000])
+def test_a_garbled_rejects_file_is_refused_in_one_line(tmp_path, capsys, line):
+    data = tmp_path / "d"
+    synth.generate(data, num_train=4, num_val=0, num_test=0, progress=False)
+    manifest = json.loads((data / shards.MANIFEST).read_text())
+    (data / shards.MANIFEST).write_text(json.dumps(manifest | {"rejected": 1}))
+    (data / shards.REJECTS).write_text(line + "\n")
+    err = one_line_failure(capsys, cli.main(["shards", "inspect", str(data)]), 2)
+    assert shards.REJECTS in err
+
+
+def test_inspect_never_replaces_a_file_with_its_contact_sheet(tmp_path, capsys):
+    data = tmp_path / "d"
+    synth.generate(data, num_train=4, num_val=0, num_test=0, progress=False)
+    (tmp_path / "photo.png").write_bytes(b"the user's photo")
+    one_line_failure(capsys, cli.main(["shards", "inspect", str(data), "--sheet", str(tmp_path / "photo.png")]), 2)
+    assert (tmp_path / "photo.png").read_bytes() == b"the user's photo"
+    assert cli.main(["shards", "inspect", str(data), "--sheet", str(tmp_path / "sheet.png")]) == 0
+    assert (tmp_path / "sheet.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_extract_teacher_refuses_a_foreign_output_before_ray(tmp_path, capsys, monkeypatch):
+    from pairsim import cluster
+
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: pytest.fail("Ray was started before the refusal"))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    status = cli.main(["extract-teacher", "--config", str(cli.OBJECTIVES / "cusa_paper.yaml"),
+                       "--out", str(tmp_path / "out")])
+    assert "keep.txt" in one_line_failure(capsys, status, 2)
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("content", ["[]", '{"data_content_hash": 1, "splits": "train", "teachers": {}}', "{" * 10_000])
+def test_a_garbled_teacher_store_manifest_is_one_config_error(tmp_path, content):
+    from pairsim.config import ConfigError
+    from pairsim.teachers import store
+
+    (tmp_path / store.STORE_MANIFEST).write_text(content)
+    with pytest.raises(ConfigError, match=store.STORE_MANIFEST):
+        store.TeacherStore(tmp_path).manifest()

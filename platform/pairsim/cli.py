@@ -239,6 +239,7 @@ def _extract_teacher(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     encoders.check_teachers(cfg)
+    store.claim_output(args.out)
     init_ray(cfg)
     out = store.extract(cfg, args.out, args.splits or [cfg.data.train_split], args.batch_size, args.concurrency)
     print(f"teacher features in {out}; train from them with --set loss.cusa.teacher_features={out}")

@@ -16,13 +16,42 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pydantic import BaseModel, ConfigDict
+
+from pairsim import outputs, untrusted
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.log import get_logger
+from pairsim.storage import Location
 from pairsim.teachers.encoders import Teacher, build_teachers
 
 log = get_logger("teachers")
 STORE_MANIFEST = "teacher_manifest.json"
+STARTED = ".pairsim-teacher-store"  # written before the first feature file: the directory is an extraction's
+MAX_STORE_MANIFEST_BYTES = 64 << 20  # its skipped_images list one line an unreadable image
+
+
+class StoreManifest(BaseModel):
+    """``teacher_manifest.json``: what the features were extracted from, read back typed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    data_path: str = ""
+    data_content_hash: str
+    splits: list[str]
+    teachers: dict[str, dict[str, Any]]
+    skipped_images: dict[str, str] = {}
+
+
+class StoreError(ConfigError):
+    """``loss.cusa.teacher_features`` whose manifest is not what :func:`extract` writes."""
+
+
+def claim_output(out: Path) -> Path:
+    """``out`` as :func:`extract`'s output (returned): new, empty, or an extraction's
+    (:class:`pairsim.outputs.OutputRefused` otherwise), created."""
+    outputs.claim_directory(out, "--out", owned_by=[STORE_MANIFEST, STARTED])
+    Path(out).mkdir(parents=True, exist_ok=True)
+    return Path(out)
 
 
 def teacher_sources(cfg: RunConfig) -> tuple[dict[str, Teacher], TeacherStore | None]:
@@ -48,26 +77,26 @@ class TeacherStore:
     def __init__(self, root: Path | str):
         self.root = Path(root)
 
-    def manifest(self) -> dict[str, Any]:
+    def manifest(self) -> StoreManifest:
         path = self.root / STORE_MANIFEST
         if not path.is_file():
             raise ConfigError(f"loss.cusa.teacher_features: no {STORE_MANIFEST} in {self.root} "
                               "(make it with pipelines/extract_teacher.py)")
-        return json.loads(path.read_text())
+        return untrusted.read_model(path, StoreManifest, MAX_STORE_MANIFEST_BYTES, StoreError)
 
     def check(self, cfg: RunConfig) -> None:
         manifest = self.manifest()
         data_hash = shards.read_manifest(cfg.data.path).content_hash
-        if manifest["data_content_hash"] != data_hash:
+        if manifest.data_content_hash != data_hash:
             raise ConfigError(f"loss.cusa.teacher_features: {self.root} was extracted from other data than "
-                              f"{cfg.data.path} (content hash {manifest['data_content_hash'][:12]} vs {data_hash[:12]})")
-        missing = [s for s in (cfg.data.train_split,) if s not in manifest["splits"]]
+                              f"{cfg.data.path} (content hash {manifest.data_content_hash[:12]} vs {data_hash[:12]})")
+        missing = [s for s in (cfg.data.train_split,) if s not in manifest.splits]
         if missing:
             raise ConfigError(f"loss.cusa.teacher_features: {self.root} has no features for split(s) {missing}")
         for m, teacher in build_teachers(cfg).items():
-            if teacher.identity() != manifest["teachers"][m]:
+            if teacher.identity() != manifest.teachers.get(m):
                 raise ConfigError(f"loss.cusa.{m}_teacher: {teacher.identity()} differs from the teacher the "
-                                  f"features in {self.root} came from: {manifest['teachers'][m]}")
+                                  f"features in {self.root} came from: {manifest.teachers.get(m)}")
 
     @staticmethod
     @functools.lru_cache(maxsize=8)
@@ -125,16 +154,18 @@ class _EmbedShardRows:
 def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 64, concurrency: int = 1,
             progress: bool = True) -> Path:
     """Embed every image and caption of ``splits`` with the run's teachers (Ray Data batch
-    inference on ``concurrency`` actors) and write a :class:`TeacherStore` at ``out``."""
+    inference on ``concurrency`` actors) and write a :class:`TeacherStore` at ``out``
+    (:func:`claim_output`'s)."""
     import ray
     from tqdm import tqdm
 
     cusa = cfg.loss.cusa
     if cusa is None or cusa.image_teacher is None or cusa.text_teacher is None:
         raise ConfigError("loss.cusa: extraction needs loss.cusa with an image_teacher and a text_teacher")
+    out = claim_output(out)
     teachers = build_teachers(cfg)
-    out = Path(out)
     manifest = shards.read_manifest(cfg.data.path)
+    (out / STARTED).touch()
     skipped: dict[str, str] = {}
     for split in splits:
         rows = ingest.read_split(cfg, split, ["image", "image_id", "captions"], include_paths=True)
@@ -154,13 +185,13 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
                          "captions": np.stack(list(caps)).astype(np.float32).tolist()})
                 bar.update(len(batch["image_id"]))
         for path, shard_rows in by_shard.items():
-            target = _store_file(out, path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.Table.from_pylist(shard_rows), target)
-    previous = TeacherStore(out).manifest() if (out / STORE_MANIFEST).is_file() else {"splits": []}
-    (out / STORE_MANIFEST).write_text(json.dumps({
+            buffer = pa.BufferOutputStream()
+            pq.write_table(pa.Table.from_pylist(shard_rows), buffer)
+            Location.of(_store_file(out, path)).write_bytes(buffer.getvalue().to_pybytes())
+    previous = TeacherStore(out).manifest().splits if (out / STORE_MANIFEST).is_file() else []
+    Location.of(out / STORE_MANIFEST).write_text(json.dumps({
         "data_path": str(cfg.data.path), "data_content_hash": manifest.content_hash,
-        "splits": sorted(set(previous["splits"]) | set(splits)),
+        "splits": sorted(set(previous) | set(splits)),
         "teachers": {m: t.identity() for m, t in teachers.items()},
         "skipped_images": skipped,
     }, indent=2, sort_keys=True) + "\n")
