@@ -738,6 +738,7 @@ def test_a_pbt_clone_starts_its_run_directory_from_the_donors_checkpoint(tmp_pat
     from ray import tune
 
     from pairsim.tune.sweep import CLONE_INFO, adopt_clone
+    from pairsim.untrusted import UntrustedFileError
 
     def tune_checkpoint(trial_id, name="checkpoint_2026-11-25_21-00-00.000001"):
         root = tmp_path / f"tune-{trial_id}-{len(list(tmp_path.iterdir()))}"
@@ -751,10 +752,14 @@ def test_a_pbt_clone_starts_its_run_directory_from_the_donors_checkpoint(tmp_pat
     assert adopt_clone(None, "b", run_dir) is None
     assert adopt_clone(tune_checkpoint("b"), "b", run_dir) is None and (run_dir / "checkpoint_own").is_dir()
     info = adopt_clone(tune_checkpoint("a"), "b", run_dir)
-    assert info["trial_id"] == "a" and info["epoch"] == 1
+    assert info.trial_id == "a" and info.epoch == 1
     assert (tmp_path / "runs" / "sweep-b.before-epoch-1" / "checkpoint_own").is_dir()
     assert [p.name for p in run_dir.iterdir()] == ["checkpoint_2026-11-25_21-00-00.000001"]
     assert (run_dir / "checkpoint_2026-11-25_21-00-00.000001" / "weights.bin").read_bytes() == b"donor"
-    with pytest.raises(ValueError, match="not a directory name"):
+    with pytest.raises(ValueError, match="not a plain file or directory name"):
         adopt_clone(tune_checkpoint("a", "../escape"), "b", run_dir)
     assert not (tmp_path / "runs" / "escape").exists()
+    garbled = tune_checkpoint("a")
+    (Path(garbled.path) / CLONE_INFO).write_text('{"trial_id": "a", "epoch": "one"')
+    with pytest.raises(UntrustedFileError, match=CLONE_INFO):
+        adopt_clone(garbled, "b", run_dir)

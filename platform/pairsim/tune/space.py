@@ -49,6 +49,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, absolute_paths, apply_overrides,
                             flatten, layer, read_yaml, set_dotted, validate)
+from pairsim.config.fields import MAX_ERRORS_SHOWN
 from pairsim.registry import METRICS
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
@@ -56,6 +57,7 @@ SHIPPED_PREFIX = "pairsim:"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 RANDOM_POINTS_CHECKED = 16
 CORNER_POINTS_CHECKED = 256
+MAX_TRIALS = 10_000  # a sweep's trials unless sweep.max_trials says more: Tune holds every one on the driver
 POINT_KEY = "point"  # a union's Tune config: {POINT_KEY: the trial's whole point}
 
 
@@ -269,6 +271,10 @@ class SweepSettings(Section):
     resources: TrialResources = TrialResources()
     seed: Int | None = Field(0, description="seeds the search (random and optuna); null: unseeded")
     verbose_trials: Bool = Field(False, description="show the trials' own logs (training progress) on the console")
+    max_trials: Int = Field(
+        MAX_TRIALS, ge=1, description="the most trials the sweep may start (num_samples × its grid points); a larger "
+                                      "sweep is refused before Ray starts. Raise it for a sweep that large: Tune "
+                                      "keeps every trial on the driver")
 
     @property
     def metrics(self) -> list[str] | None:
@@ -360,6 +366,14 @@ def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
     return (_errors_of(layer(tree, nested({key: dist.corners()[0]}))) or "unknown key").strip()
 
 
+def _hash_of(value: Any) -> Any:
+    """A hash equal values share (60 and 60.0 too); of an unhashable value (a list), its type's name."""
+    try:
+        return hash(value)
+    except TypeError:
+        return type(value).__name__
+
+
 def _points_to_check(space: Space) -> list[dict[str, Any]]:
     """The corners of ``space`` (all of them up to 256, else the all-low / all-high ones) and 16
     seeded random points."""
@@ -434,12 +448,21 @@ class Sweep:
         value of each key its grid leaves out, a point of several grids once, in the order written."""
         flat = self.base.flat()
         points: list[dict[str, Any]] = []
+        alike: dict[tuple, list[dict[str, Any]]] = {}  # the points so far by their values' hashes
         for space in self.spaces:
             for values in itertools.product(*(dist.args for dist in space.values())):
                 point = {key: flat[key] for key in self.keys} | dict(zip(space, values))
-                if point not in points:  # == on the values: 60 and 60.0 are one point
+                same_hash = alike.setdefault(tuple(map(_hash_of, point.values())), [])
+                if point not in same_hash:  # == on the values: 60 and 60.0 are one point
+                    same_hash.append(point)
                     points.append(point)
         return points
+
+    def trials_at_most(self) -> int:
+        """The trials the sweep starts, counted without listing its points: ``num_samples`` × its
+        grid points (a union's grids summed, so a point two grids share counts twice)."""
+        return self.settings.num_samples * sum(math.prod(len(dist.args) for dist in space.values()
+                                                         if dist.kind == "grid") for space in self.spaces)
 
     def param_space(self) -> dict[str, Any]:
         """Tune's ``param_space``: each key's domain; of a union, one grid over its whole points
@@ -465,8 +488,8 @@ class Sweep:
         spaces = [{k: d.model_dump() for k, d in space.items()} for space in self.spaces]
         text = json.dumps({"base": self.base.model_dump(mode="json"),
                            "space": spaces if self.union else spaces[0],
-                           "sweep": self.settings.model_dump(mode="json", exclude={"max_concurrent_trials",
-                                                                                   "verbose_trials"})},
+                           "sweep": self.settings.model_dump(mode="json", exclude={
+                               "max_concurrent_trials", "verbose_trials", "max_trials"})},
                           sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -525,8 +548,10 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
     The steps: the file with its own overrides (:func:`_read_sweep_file`), its space and sections
     (:func:`_read_sections`), the base run config (:func:`_base_config`), then the settings
-    (:func:`_check_settings`) and every space key and point (:func:`_check_space`) against it.
-    Raises :class:`ConfigError` listing every problem at once, each with its path in the file.
+    (:func:`_check_settings`), the number of trials (``sweep.max_trials``, counted, not listed)
+    and every space key and point (:func:`_check_space`) against it. Raises :class:`ConfigError`
+    with every problem at once (up to :data:`MAX_ERRORS_SHOWN` listed), each with its path in the
+    file.
     """
     path = Path(path)
     errors: list[str] = []
@@ -537,10 +562,23 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     tree, base = _base_config(path, file, base_sets, keys, errors)
     sweep = Sweep(str(path), tree, base, tuple(spaces), file.sweep)
     _check_settings(sweep, listed, keys, errors)
-    _check_space(sweep, errors)
+    trials, most = sweep.trials_at_most(), sweep.settings.max_trials
+    if trials > most:  # checked before any point is listed or validated
+        errors.append(f"space: {'up to ' if sweep.union else ''}{trials:,} trials (num_samples × grid points), "
+                      f"more than sweep.max_trials ({most:,}); to run that many, raise sweep.max_trials in the sweep "
+                      "section or with --set sweep.max_trials=N")
+    else:
+        _check_space(sweep, errors)
     if errors:
-        raise ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors))
+        raise _problems(path, errors)
     return sweep
+
+
+def _problems(path: Path, errors: list[str]) -> ConfigError:
+    """``errors`` as one :class:`ConfigError` headed by their count and ``path``, the first
+    :data:`MAX_ERRORS_SHOWN` of them listed."""
+    more = [f"… and {len(errors) - MAX_ERRORS_SHOWN} more"] if len(errors) > MAX_ERRORS_SHOWN else []
+    return ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors[:MAX_ERRORS_SHOWN] + more))
 
 
 def _read_sweep_file(path: Path, overrides: list[str], errors: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -612,7 +650,7 @@ def _base_config(path: Path, file: SweepFile, base_sets: list[str], keys: list[s
     try:
         base = validate(tree, f"{path} base")
     except ConfigError as exc:
-        raise ConfigError(f"{len(errors) + 1} error(s) in {path}:\n  " + "\n  ".join([*errors, f"base: {exc}"])) from None
+        raise _problems(path, [*errors, f"base: {exc}"]) from None
     tree = absolute_paths(base.model_dump(mode="json"))  # trials layer their point on the whole config
     base = validate(tree, f"{path} base")
     return tree, base

@@ -12,7 +12,12 @@ FINISHED, FAILED or KILLED (stopped early by ASHA) with a ``pairsim.trial_status
 
 Resume: the Tune experiment lives at ``<ray.storage_path>/<name>``; running the same name again
 (or ``--resume NAME``) restores it (``Tuner.restore``): finished trials are kept, unfinished
-ones continue from their Ray Train checkpoints into the same child runs.
+ones continue from their Ray Train checkpoints into the same child runs. Tune's restore
+unpickles its state files (:data:`TUNE_STATE_FILES`), which would run any code put in them: when
+the sweep driver stops (done, failed, interrupted or stopped) pairsim records their SHA-256s in
+:data:`STATE_FILE`, and resumes only when every one of them still has its recorded digest. A
+driver killed outright (SIGKILL, a lost node) records nothing: its sweep is refused and runs
+again under a new name, its trials' directories and MLflow runs left as they are.
 """
 
 from __future__ import annotations
@@ -28,26 +33,99 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import ray
+from pydantic import BaseModel, ConfigDict, Field
 from ray import tune
 
-from pairsim import cluster, jobs, locks, log, tracking
+from pairsim import cluster, jobs, locks, log, tracking, untrusted
 from pairsim.config import ConfigError
+from pairsim.storage import Location
 from pairsim.train import driver
 from pairsim.tune import results
 from pairsim.tune.space import Sweep
 
 logger = log.get_logger("tune")
-STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest and parent run
+STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest, parent run and Tune's state digests
+STATE_MAX_BYTES = 64 * 2**20  # of STATE_FILE: a digest or two per trial
+TUNE_STATE_FILES = ("*.pkl", "*.json", "*/*.pkl")
+"""Tune's files in a sweep's directory that its restore unpickles (:data:`STATE_FILE` aside):
+``tuner.pkl``; ``experiment_state-*.json`` (each trial's fields as embedded pickles); the search
+algorithm's and callbacks' state (``searcher-state-*.pkl``, ``basic-variant-state-*.json``, ...,
+pickles whatever their suffix); a trial's ``error.pkl``."""
 SWEEP_LOCK = "pairsim-sweep.lock"  # in the sweep's directory while it runs (pairsim.locks)
 CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it is, at which epoch
+CLONE_INFO_MAX_BYTES = 4096
 CLONED_FROM_TAG = "pairsim.pbt.cloned_from"
 TUNE_CHECKPOINTS_KEPT = 4  # per PBT trial (Ray warns that 2 or fewer can delete what a clone needs)
 TRIAL_TAG = "pairsim.trial_id"
 TRIAL_MEMORY = 256 * 2**20  # bytes the trial function itself reserves
 TRIAL_LOG_LEVEL = "WARNING"  # trials' own pairsim logs (the sweep prints its table)
+
+
+class SweepState(BaseModel):
+    """:data:`STATE_FILE`, read back as untrusted input (:func:`read_state`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    digest: str  # Sweep.digest() of the sweep run here: a resume must match it
+    parent_run_id: str
+    source: str  # the sweep file
+    tune_state: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = {}
+    """Each of Tune's state files (:func:`tune_state_files`) → its SHA-256 when the driver last stopped."""
+
+
+class UnvouchedTuneState(untrusted.UntrustedFileError):
+    """A file of Tune's sweep state whose bytes pairsim did not record: resuming would unpickle it."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}. Tune unpickles it to resume the sweep, which would run any code put in it, so "
+                         "pairsim resumes only the state it recorded when the sweep driver stopped (a driver killed "
+                         "outright records none). Run the sweep under a new --name; the trials run so far stay in "
+                         "their directories and MLflow")
+
+
+def read_state(exp_dir: Path) -> SweepState:
+    """The sweep's :data:`STATE_FILE`; :class:`pairsim.untrusted.UntrustedFileError` naming it when
+    it is not one pairsim writes."""
+    return untrusted.read_model(exp_dir / STATE_FILE, SweepState, STATE_MAX_BYTES)
+
+
+def write_state(exp_dir: Path, state: SweepState) -> None:
+    """``state`` as the sweep's :data:`STATE_FILE`, atomically."""
+    Location.of(exp_dir / STATE_FILE).write_text(state.model_dump_json(indent=2))
+
+
+def tune_state_files(exp_dir: Path) -> dict[str, Path]:
+    """Tune's state files in ``exp_dir`` (:data:`TUNE_STATE_FILES`) by their path under it."""
+    return {path.relative_to(exp_dir).as_posix(): path for pattern in TUNE_STATE_FILES
+            for path in sorted(exp_dir.glob(pattern)) if path.name != STATE_FILE and path.is_file()}
+
+
+def record_tune_state(exp_dir: Path, state: SweepState) -> None:
+    """``state`` into :data:`STATE_FILE` with the SHA-256 of each of Tune's state files as they are now."""
+    digests = {name: untrusted.sha256(path) for name, path in tune_state_files(exp_dir).items()}
+    write_state(exp_dir, state.model_copy(update={"tune_state": digests}))
+
+
+def verify_tune_state(exp_dir: Path, recorded: dict[str, str]) -> None:
+    """:class:`UnvouchedTuneState` naming the first of Tune's state files in ``exp_dir`` that has no
+    digest in ``recorded`` or another one."""
+    for name, path in tune_state_files(exp_dir).items():
+        if name not in recorded:
+            raise UnvouchedTuneState(f"{path}: pairsim recorded no SHA-256 of it")
+        untrusted.verify_digest(path, recorded[name], UnvouchedTuneState)
+
+
+class CloneInfo(BaseModel):
+    """:data:`CLONE_INFO`, read back as untrusted input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trial_id: str  # whose checkpoint it is
+    epoch: int
+    checkpoint: str  # the directory name of the run's checkpoint it holds
 
 
 @dataclass(frozen=True)
@@ -86,26 +164,25 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def adopt_clone(checkpoint, trial_id: str, run_dir: Path) -> dict[str, Any] | None:
+def adopt_clone(checkpoint, trial_id: str, run_dir: Path) -> CloneInfo | None:
     """What PBT gave the trial to start from (its Tune checkpoint): None when it is the trial's
     own or there is none (the run resumes from its own directory, as any run does); else another
     trial's, which the run then continues from — the run directory is moved aside
     (``<run>.before-epoch-<e>``) and begins anew with that checkpoint. Returns its
-    :data:`CLONE_INFO` (``trial_id``, ``epoch``)."""
+    :data:`CLONE_INFO`."""
     if checkpoint is None:
         return None
     with checkpoint.as_directory() as ckpt_dir:
-        info = json.loads((Path(ckpt_dir) / CLONE_INFO).read_text())
-        if info["trial_id"] == trial_id:
+        info = untrusted.read_model(Path(ckpt_dir) / CLONE_INFO, CloneInfo, CLONE_INFO_MAX_BYTES)
+        if info.trial_id == trial_id:
             return None
-        if Path(info["checkpoint"]).name != info["checkpoint"] or info["checkpoint"] in ("", ".", ".."):
-            raise ValueError(f"{ckpt_dir}/{CLONE_INFO}: checkpoint {info['checkpoint']!r} is not a directory name")
+        target = untrusted.child(run_dir, info.checkpoint, f"{ckpt_dir}/{CLONE_INFO}: checkpoint")
         if run_dir.exists():
-            aside = run_dir.with_name(f"{run_dir.name}.before-epoch-{info['epoch']}")
+            aside = run_dir.with_name(f"{run_dir.name}.before-epoch-{info.epoch}")
             shutil.rmtree(aside, ignore_errors=True)
             run_dir.rename(aside)
         run_dir.mkdir(parents=True)
-        shutil.copytree(Path(ckpt_dir) / "checkpoint", run_dir / info["checkpoint"])
+        shutil.copytree(Path(ckpt_dir) / "checkpoint", target.path)
     return info
 
 
@@ -131,10 +208,10 @@ def run_trial(config: dict[str, Any], job: TrialJob) -> None:
     pbt = job.sweep.settings.pbt
     clone = pbt and adopt_clone(tune.get_checkpoint(), trial_id, Path(job.runs_path) / run_name)
     if clone:
-        tags |= {CLONED_FROM_TAG: clone["trial_id"],
-                 f"{results.CLONE_TAG_PREFIX}{clone['epoch']}": json.dumps({"from": clone["trial_id"], "point": point})}
-        logger.info("trial %s continues from trial %s at epoch %d with %s", trial_id, clone["trial_id"],
-                    clone["epoch"], point)
+        tags |= {CLONED_FROM_TAG: clone.trial_id,
+                 f"{results.CLONE_TAG_PREFIX}{clone.epoch}": json.dumps({"from": clone.trial_id, "point": point})}
+        logger.info("trial %s continues from trial %s at epoch %d with %s", trial_id, clone.trial_id, clone.epoch,
+                    point)
     reports = Queue(maxsize=1, actor_options={"num_cpus": 0})
     trial = driver.SweepTrial(job.parent_run_id, tags, reports, tuple(pbt.mutations) if pbt else (),
                               reset_temperatures=bool(clone) and any(k.endswith(".init") for k in pbt.mutations))
@@ -237,9 +314,8 @@ class SweepProgress(tune.Callback):
 
 
 def total_trials(sweep: Sweep) -> int:
-    grid = (len(sweep.grid_points()) if sweep.union
-            else math.prod(len(d.args) for d in sweep.spaces[0].values() if d.kind == "grid"))
-    return sweep.settings.num_samples * grid
+    """The trials the sweep starts (a point two grids of a union share, once)."""
+    return sweep.settings.num_samples * len(sweep.grid_points()) if sweep.union else sweep.trials_at_most()
 
 
 def trial_resources(sweep: Sweep) -> dict[str, float]:
@@ -301,25 +377,25 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
                           f"not {base.ray.storage_path}; single runs take object storage")
     storage = Path(base.ray.storage_path).resolve()
     exp_dir = storage / name
-    state_file = exp_dir / STATE_FILE
     restoring = tune.Tuner.can_restore(exp_dir)
     if resume and not restoring:
         raise ConfigError(f"--resume: no sweep {name!r} to resume in {storage}")
-    if restoring and state_file.is_file() and json.loads(state_file.read_text())["digest"] != sweep.digest():
+    recorded = read_state(exp_dir) if restoring else None
+    if recorded and recorded.digest != sweep.digest():
         raise ConfigError(f"sweep {name!r} in {storage} was started with another base config, space or settings; "
                           "resume it with the same file and --set options, or give a new --name")
     driver.check_ready(base)
     for point in sweep.points_to_check()[:2]:
         driver.check_ready(sweep.trial_config(point))
     with locks.hold(exp_dir / SWEEP_LOCK, f"sweep {name!r}"):
-        return _run(sweep, name, exp_dir, restoring)
+        if recorded:  # under the lock: no driver of this sweep is writing Tune's state
+            verify_tune_state(exp_dir, recorded.tune_state)
+        return _run(sweep, name, exp_dir, recorded)
 
 
-def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult:
-    from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    base, storage = sweep.base, exp_dir.parent
-    state_file = exp_dir / STATE_FILE
+def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) -> SweepResult:
+    """The sweep under its lock: new, or restored from Tune's state that ``recorded`` vouches for."""
+    base, restoring = sweep.base, recorded is not None
     tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
     cluster.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
                     log_to_driver=sweep.settings.verbose_trials)
@@ -330,9 +406,9 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult
          "pairsim.sweep_sha256": sweep.digest()})
     if not reopened:
         results.log_inputs(tracking_uri, parent_run_id, sweep)
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    state_file.write_text(json.dumps({"digest": sweep.digest(), "parent_run_id": parent_run_id,
-                                      "source": sweep.source}, indent=2))
+    state = SweepState(digest=sweep.digest(), parent_run_id=parent_run_id, source=sweep.source,
+                       tune_state=recorded.tune_state if recorded else {})
+    write_state(exp_dir, state)
     logger.info("sweep %s: %d trials of up to %d epochs, %d at a time, ranked by %s (%s); %s",
                 name, total_trials(sweep), sweep.epochs, trials_at_once, sweep.metric, sweep.mode,
                 "resumed" if restoring else "new")
@@ -343,40 +419,49 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, restoring: bool) -> SweepResult
     # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials see the driver's directory, as a run does
     trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), trial_function_resources(sweep, trials_at_once))
-    if restoring:
-        tuner = tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
-    else:
-        settings = sweep.settings
-        if settings.search == "optuna":
-            from ray.tune.search.optuna import OptunaSearch
-
-            metrics, modes = (list(x) for x in zip(*sweep.objectives))  # several: Optuna's multi-objective TPE
-            search_alg = OptunaSearch(metric=metrics if sweep.multi_objective else metrics[0],
-                                      mode=modes if sweep.multi_objective else modes[0], seed=settings.seed)
-            searcher_limit = trials_at_once  # Tune wraps a Searcher in a ConcurrencyLimiter
-        else:  # the variant generator limits itself
-            search_alg = BasicVariantGenerator(random_state=settings.seed,  # PBT: the whole population exists
-                                               max_concurrent=0 if settings.pbt else trials_at_once)
-            searcher_limit = None
-        from pairsim.tune.schedulers import scheduler_of  # imports scikit-learn (PB2), which trials need not
-
-        scheduler = scheduler_of(sweep)
-        tuner = tune.Tuner(
-            trainable, param_space=sweep.param_space(),
-            tune_config=tune.TuneConfig(metric=None if sweep.multi_objective else sweep.metric,  # Tune takes one
-                                        mode=None if sweep.multi_objective else sweep.mode, search_alg=search_alg,
-                                        scheduler=scheduler, num_samples=settings.num_samples,
-                                        max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
-                                        trial_dirname_creator=TrialName(name), reuse_actors=False),
-            run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
-                                      callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))],
-                                      checkpoint_config=tune.CheckpointConfig(
-                                          num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))
-    with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_signals():
-        grid = tuner.fit()
-        children = tracking.child_runs(tracking_uri, parent_run_id)
-        rows = results.trial_rows(grid, sweep, children, name)
-        best = results.best_row(rows, sweep)
-        results.write(rows, best, sweep, exp_dir, tracking_uri, parent_run_id, children)
-        outcome.succeeded = best is not None
+    try:  # Tune writes its state from here on: recorded however the driver stops (but SIGKILL)
+        tuner = (tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
+                 if restoring else _new_tuner(sweep, exp_dir, trainable, trials_at_once, tracking_uri))
+        with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_signals():
+            grid = tuner.fit()
+            children = tracking.child_runs(tracking_uri, parent_run_id)
+            rows = results.trial_rows(grid, sweep, children, name)
+            best = results.best_row(rows, sweep)
+            results.write(rows, best, sweep, exp_dir, tracking_uri, parent_run_id, children)
+            outcome.succeeded = best is not None
+    finally:
+        record_tune_state(exp_dir, state)
     return SweepResult(name, parent_run_id, tracking_uri, rows, best, exp_dir)
+
+
+def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, tracking_uri: str) -> tune.Tuner:
+    """A new sweep's ``Tuner`` (its experiment in ``exp_dir``): its search algorithm and scheduler,
+    its trials named after it."""
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    name, settings = exp_dir.name, sweep.settings
+    if settings.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        metrics, modes = (list(x) for x in zip(*sweep.objectives))  # several: Optuna's multi-objective TPE
+        search_alg = OptunaSearch(metric=metrics if sweep.multi_objective else metrics[0],
+                                  mode=modes if sweep.multi_objective else modes[0], seed=settings.seed)
+        searcher_limit = trials_at_once  # Tune wraps a Searcher in a ConcurrencyLimiter
+    else:  # the variant generator limits itself
+        search_alg = BasicVariantGenerator(random_state=settings.seed,  # PBT: the whole population exists
+                                           max_concurrent=0 if settings.pbt else trials_at_once)
+        searcher_limit = None
+    from pairsim.tune.schedulers import scheduler_of  # imports scikit-learn (PB2), which trials need not
+
+    scheduler = scheduler_of(sweep)
+    return tune.Tuner(
+        trainable, param_space=sweep.param_space(),
+        tune_config=tune.TuneConfig(metric=None if sweep.multi_objective else sweep.metric,  # Tune takes one
+                                    mode=None if sweep.multi_objective else sweep.mode, search_alg=search_alg,
+                                    scheduler=scheduler, num_samples=settings.num_samples,
+                                    max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
+                                    trial_dirname_creator=TrialName(name), reuse_actors=False),
+        run_config=tune.RunConfig(name=name, storage_path=str(exp_dir.parent), verbose=0,
+                                  callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))],
+                                  checkpoint_config=tune.CheckpointConfig(
+                                      num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))
