@@ -70,5 +70,11 @@ def format_errors(err: ValidationError, source: str) -> str:
             shown = repr(storage.masked(got) if storage.is_uri(got) else got)
             shown = shown if len(shown) <= EXCERPT else shown[:EXCERPT] + f"… ({len(shown):,} characters)"
             lines.append(f"{path}: {e['msg']} (got {shown})")
+    return error_list(lines, source)
+
+
+def error_list(lines: list[str], source: str) -> str:
+    """Problems as one message headed by their count and ``source``, the first
+    :data:`MAX_ERRORS_SHOWN` of them listed, a line each."""
     more = [f"… and {len(lines) - MAX_ERRORS_SHOWN} more"] if len(lines) > MAX_ERRORS_SHOWN else []
     return f"{len(lines)} error(s) in {source}:\n  " + "\n  ".join(lines[:MAX_ERRORS_SHOWN] + more)

@@ -49,7 +49,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from pairsim.config import (Bool, ConfigError, Float, Int, RunConfig, Section, absolute_paths, apply_overrides,
                             flatten, layer, read_yaml, set_dotted, validate)
-from pairsim.config.fields import MAX_ERRORS_SHOWN
+from pairsim.config.fields import error_list
 from pairsim.registry import METRICS
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
@@ -550,7 +550,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     (:func:`_read_sections`), the base run config (:func:`_base_config`), then the settings
     (:func:`_check_settings`), the number of trials (``sweep.max_trials``, counted, not listed)
     and every space key and point (:func:`_check_space`) against it. Raises :class:`ConfigError`
-    with every problem at once (up to :data:`MAX_ERRORS_SHOWN` listed), each with its path in the
+    with every problem at once (:func:`~pairsim.config.fields.error_list`), each with its path in the
     file.
     """
     path = Path(path)
@@ -575,10 +575,8 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
 
 def _problems(path: Path, errors: list[str]) -> ConfigError:
-    """``errors`` as one :class:`ConfigError` headed by their count and ``path``, the first
-    :data:`MAX_ERRORS_SHOWN` of them listed."""
-    more = [f"… and {len(errors) - MAX_ERRORS_SHOWN} more"] if len(errors) > MAX_ERRORS_SHOWN else []
-    return ConfigError(f"{len(errors)} error(s) in {path}:\n  " + "\n  ".join(errors[:MAX_ERRORS_SHOWN] + more))
+    """``errors`` as one :class:`ConfigError` (:func:`pairsim.config.fields.error_list`)."""
+    return ConfigError(error_list(errors, str(path)))
 
 
 def _read_sweep_file(path: Path, overrides: list[str], errors: list[str]) -> tuple[dict[str, Any], list[str]]:
