@@ -121,9 +121,9 @@ def test_a_checkpoint_file_linked_outside_is_refused_naming_it_before_torch_load
     assert checkpoints.verify_checkpoint(ckpt) == [named]
     assert main(["checkpoints", "verify", str(ckpt)]) == 1
     assert named in capsys.readouterr().out
-    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 1
+    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     assert named in capsys.readouterr().err
-    assert main(evaluate_cli(ckpt, tiny_dataset, tmp_path)) == 1
+    assert main(evaluate_cli(ckpt, tiny_dataset, tmp_path)) == 2
     assert named in capsys.readouterr().err
     with pytest.raises(ConfigError, match=f"model.init_from: .*{named}"):
         checkpoints.check_init_from(ModelConfig(crossmodal_heads=True, init_from=ckpt))
@@ -174,7 +174,7 @@ def test_a_card_that_is_not_json_is_named_by_list_verify_and_export(tmp_path, mo
     assert out.startswith(f"{ckpt.name}  epoch ?  step ?") and named in out
     assert main(["checkpoints", "verify", str(ckpt.parent)]) == 1
     assert named in capsys.readouterr().out
-    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 1
+    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
     assert loads == []
@@ -192,7 +192,7 @@ def test_a_card_of_another_shape_or_size_is_refused_naming_the_file(tmp_path, mo
     assert main(["checkpoints", "verify", str(ckpt)]) == 1
     out = capsys.readouterr().out
     assert str(ckpt / checkpoints.CARD_FILE) in out and problem in out
-    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 1
+    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     assert problem in capsys.readouterr().err and loads == []
 
 
@@ -214,7 +214,7 @@ def test_a_card_with_a_wrong_field_and_a_matching_checksum_fails_verify_and_expo
     out = capsys.readouterr().out
     assert f"1 error(s) in {ckpt / checkpoints.CARD_FILE}" in out and problem in out
     assert "1 of the checkpoints failed verification" in out
-    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 1
+    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     err = capsys.readouterr().err
     assert problem in err and "Traceback" not in err and not (tmp_path / "out").exists()
     assert loads == []
@@ -256,9 +256,9 @@ def test_an_altered_checkpoint_file_is_refused_by_export_and_evaluate_before_tor
     ckpt = make_checkpoint(tmp_path, model)
     altered(ckpt / MODEL_STATES)
     named = f"{MODEL_STATES}: content differs from its checksum"
-    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 1
+    assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     assert named in capsys.readouterr().err
-    assert main(evaluate_cli(ckpt, tiny_dataset, tmp_path)) == 1
+    assert main(evaluate_cli(ckpt, tiny_dataset, tmp_path)) == 2
     assert named in capsys.readouterr().err
     assert loads == [] and not (tmp_path / "out").exists()
 

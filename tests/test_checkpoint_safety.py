@@ -3,6 +3,7 @@
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from conftest import on_gloo_ranks
 from pairsim import storage
 from pairsim.cli import main
-from pairsim.config import ModelConfig, load_config
+from pairsim.config import ConfigError, ModelConfig, load_config
+from pairsim.errors import InputError
 from pairsim.models.saved import ModelCard
 from pairsim.train import checkpoints, engine
 
@@ -46,7 +48,7 @@ def test_a_crafted_checkpoint_is_refused_and_nothing_runs(tmp_path, capsys):
     checkpoint = crafted_checkpoint(tmp_path, marker)
     with pytest.raises(checkpoints.UnsafeCheckpointError, match="mp_rank_00_model_states.pt: refused to load"):
         checkpoints.export_checkpoint(checkpoint, tmp_path / "out" / "model.pt")
-    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out" / "model.pt")]) == 1
+    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out" / "model.pt")]) == 2
     assert "refused to load" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out" / "model.pt").exists()
     torch.load(checkpoint / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt", weights_only=False)
@@ -192,4 +194,21 @@ def test_checkpoints_cli_lists_and_verifies(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "zero_pp_rank_0.pt: content differs" in out and "1 of the checkpoints failed" in out
     assert main(["checkpoints", "verify", str(sorted(run.iterdir())[0])]) == 0  # one checkpoint by its path
-    assert main(["checkpoints", "list", str(tmp_path / "nothing")]) == 1
+    assert main(["checkpoints", "list", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_directory_that_is_no_checkpoint_is_refused_at_once_not_walked(tmp_path, capsys):
+    """``/`` has neither a model card nor ``deepspeed/``: refused by those two names alone, in
+    export, ``model.init_from`` and ``checkpoints verify``, none of them walking what is under it."""
+    started = time.monotonic()
+    with pytest.raises(InputError, match=r"^/: .*not a pairsim checkpoint \(neither pairsim_model.json nor deepspeed/"):
+        checkpoints.export_checkpoint(Path("/"), tmp_path / "model.pt")
+    with pytest.raises(ConfigError, match="model.init_from: /: .*not a pairsim checkpoint"):
+        checkpoints.check_init_from(ModelConfig(init_from=Path("/")))
+    with pytest.raises(InputError, match="^/: neither a checkpoint nor a run directory"):
+        checkpoints.inventory("/")
+    assert time.monotonic() - started < 1
+    assert main(["export", "--checkpoint", "/", "--out", str(tmp_path / "model.pt")]) == 2
+    assert main(["checkpoints", "verify", "/"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "Traceback" not in err and list(tmp_path.iterdir()) == []

@@ -67,6 +67,9 @@ def test_missing_and_plain_files_are_named(tmp_path):
     with pytest.raises(ConfigError, match="no model card .* goes in model.pretrained"):
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "plain.pt"))
     (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="model.init_from: .*empty: .*not a pairsim checkpoint"):
+        checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "empty"))
+    (tmp_path / "empty" / "deepspeed").mkdir()
     with pytest.raises(ConfigError, match="model.init_from: .*empty: the checkpoint does not verify: no pairsim_model"):
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "empty"))
 

@@ -18,6 +18,7 @@ from pairsim import cli, locks
 from pairsim.config import load_config
 from pairsim.data import builder
 from pairsim.data.build_config import BuildConfig
+from pairsim.errors import InputError
 from pairsim.storage import Location
 from pairsim.train import driver
 
@@ -30,9 +31,9 @@ def dead_pid() -> int:
 
 def lock_file(path: Location, **fields) -> None:
     """A lock as another holder wrote it: ``fields`` over a live-looking holder elsewhere."""
-    holder = locks.Holder("someone", "elsewhere", 4242, "2026-01-01T00:00:00+00:00", "pairsim train", "t0k3n",
-                          time.time())
-    path.write_bytes(json.dumps(vars(holder) | fields).encode())
+    holder = locks.Holder(user="someone", host="elsewhere", pid=4242, started="2026-01-01T00:00:00+00:00",
+                          command="pairsim train", token="t0k3n", heartbeat=time.time())
+    path.write_bytes(json.dumps(holder.model_dump() | fields).encode())
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -94,9 +95,57 @@ def test_the_holder_keeps_its_heartbeat_and_never_removes_a_lock_taken_from_it(t
 def test_something_else_in_the_locks_place_is_named_not_overwritten(tmp_path):
     path = tmp_path / "y.lock"
     path.write_text("my notes")
-    with pytest.raises(locks.NameInUse, match=r"y.lock is not a pairsim lock; if no run holds it, delete it"):
+    with pytest.raises(locks.NameInUse, match=r"^y: not a readable pairsim lock: .*y.lock: not JSON .*; "
+                                              r"if no run holds it, delete it$"):
         locks.acquire(Location.of(path), "y")
     assert path.read_text() == "my notes"
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"pid": "abc"}, "pid: Input should be a valid integer"),
+    ({"pid": 1.5}, "pid: Input should be a valid integer"),
+    ({"pid": 2**70}, "pid: Input should be less than"),
+    ({"pid": -1}, "pid: Input should be greater than 0"),
+    ({"heartbeat": "x"}, "heartbeat: Input should be a valid number"),
+    ({"heartbeat": float("nan")}, "heartbeat: Input should be a finite number"),
+    ({"token": None}, "token: Input should be a valid string"),
+])
+def test_a_lock_with_a_field_of_another_type_is_refused_in_one_line_naming_it(tmp_path, fields, problem):
+    """On this host, so that the pid would be checked; a wrong type is never used."""
+    path = Location.of(tmp_path / "z.lock")
+    lock_file(path, host=socket.gethostname(), **fields)
+    written = path.read_bytes()
+    with pytest.raises(locks.NameInUse, match=f"^z: not a readable pairsim lock: 1 error\\(s\\) in {path}") as refused:
+        locks.acquire(path, "z")
+    assert problem in str(refused.value) and "\n" not in str(refused.value)
+    assert path.read_bytes() == written
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"[1, 2]", "Input should be a valid dictionary"),
+    (b"{" + b" " * locks.MAX_LOCK_BYTES + b"}", f"larger than {locks.MAX_LOCK_BYTES:,} bytes"),
+    (b"\xff\xfe", "not JSON"),
+])
+def test_a_lock_of_another_shape_or_size_is_refused_in_one_line(tmp_path, content, problem):
+    path = tmp_path / "w.lock"
+    path.write_bytes(content)
+    with pytest.raises(locks.NameInUse, match=problem) as refused:
+        locks.acquire(Location.of(path), "w")
+    assert "\n" not in str(refused.value) and path.read_bytes() == content
+
+
+def test_a_lock_in_a_place_that_cannot_be_written_is_refused_naming_it(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    under_a_file = Location.of(tmp_path / "a-file" / "run" / "pairsim-run.lock")
+    with pytest.raises(InputError, match=f"ray.run_name 'r': the lock {under_a_file} cannot be created"):
+        locks.acquire(under_a_file, "ray.run_name 'r'")
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    if os.access(read_only, os.W_OK):
+        pytest.skip("this user writes into read-only directories (root)")
+    with pytest.raises(InputError, match=f"the lock {read_only}/run/pairsim-run.lock cannot be created "
+                                         r"\(Permission denied\)"):
+        locks.acquire(read_only / "run" / "pairsim-run.lock", "ray.run_name 'r'")
 
 
 def run_yaml(tiny_dataset, tmp_path) -> Path:

@@ -46,15 +46,18 @@ def location_arg(value: str) -> str | Path:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An integer argument of at least ``minimum``: argparse refuses another, naming the flag."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An integer argument of at least ``minimum`` (and at most ``maximum``): argparse refuses
+    another, naming the flag."""
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+            raise argparse.ArgumentTypeError(f"not an integer: {value[:80]!r}") from None
         if number < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {number}")
+        if maximum is not None and number > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {number:,}")
         return number
 
     return parse
@@ -143,9 +146,14 @@ class SweepFailed(RuntimeError):
 def _model_source(args: argparse.Namespace, tracking_uri: str, out: Path) -> list[Path]:
     """``--checkpoint`` consolidated, or ``--run-id``'s exported model, written to ``out``."""
     from pairsim import tracking
+    from pairsim.models import retrieval
+    from pairsim.models.saved import UnsafeCheckpointError
     from pairsim.train import checkpoints
 
     if args.checkpoint:
+        retrieval.claim_export(out)  # before a remote checkpoint is downloaded
+        if not checkpoints.is_checkpoint(args.checkpoint):
+            raise UnsafeCheckpointError(f"{args.checkpoint}: {checkpoints.NOT_A_CHECKPOINT}")
         with storage.Location.of(args.checkpoint).local_copy() as checkpoint:
             return checkpoints.export_checkpoint(checkpoint, out)
     return tracking.download_run_model(args.run_id, tracking_uri, out)
@@ -282,6 +290,7 @@ def _shards_build(args: argparse.Namespace) -> None:
 
 
 SHARD_SIZE_FIELDS = ("rows_per_shard", "shard_mb")  # one or the other
+MAX_SAMPLES_SHOWN = 1000  # rows shards inspect prints: a look at the data, not a dump of it
 
 
 def _field_type(annotation: Any) -> Callable[[str], Any]:
@@ -322,7 +331,8 @@ def add_shards_parser(sub) -> None:
     build.set_defaults(func=_shards_build)
     inspect = commands.add_parser("inspect", help="counts, schema, sample rows and a contact-sheet PNG")
     inspect.add_argument("dir", type=location_arg)
-    inspect.add_argument("--samples", type=int_at_least(0), default=4, help="rows to print")
+    inspect.add_argument("--samples", type=int_at_least(0, MAX_SAMPLES_SHOWN), default=4,
+                         help=f"rows to print (at most {MAX_SAMPLES_SHOWN})")
     inspect.add_argument("--sheet", type=path_arg, help="write a contact sheet PNG of the first split here (none by default: "
                                                    "nothing is written into the dataset)")
     inspect.set_defaults(func=_shards_inspect)

@@ -9,13 +9,16 @@ whose holder is gone is taken over with a warning: on the holder's own host when
 longer alive, from anywhere when its heartbeat is older than :data:`STALE_AFTER_S`. Two starts
 taking over the same stale lock at once each re-read it before removing it; between that read
 and the removal (a few milliseconds) one could still remove the other's fresh lock.
+
+A lock file is read as untrusted input (:func:`pairsim.untrusted.read_model`): anything but what
+pairsim writes — too large, not JSON, a field missing or of another type — is not taken over but
+refused, naming it (:class:`NameInUse`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import getpass
-import json
 import os
 import socket
 import sys
@@ -23,30 +26,35 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from pairsim.config import ConfigError
+from pairsim.errors import InputError
 from pairsim.log import get_logger
 from pairsim.storage import Location, LocationLike
+from pairsim.untrusted import UntrustedFileError, read_model
 
 logger = get_logger("locks")
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats: the holder's machine is gone or cut off
+MAX_LOCK_BYTES = 4096  # a lock file as pairsim writes it: a few hundred bytes
 
 
 class NameInUse(ConfigError):
     """The name (a run's ``ray.run_name``, a build's ``--out``) is held by a live holder."""
 
 
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a lock, as its file says."""
+class Holder(BaseModel):
+    """Who holds a lock, as its file says; every field of the type pairsim writes (strict)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     user: str
     host: str
-    pid: int
+    pid: int = Field(gt=0, lt=2**31)  # a pid_t that os.kill takes
     started: str  # ISO 8601, UTC
     command: str
     token: str
@@ -55,20 +63,18 @@ class Holder:
     @classmethod
     def me(cls) -> Holder:
         now = time.time()
-        return cls(getpass.getuser(), socket.gethostname(), os.getpid(),
-                   datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
-                   " ".join(sys.argv)[:500], uuid.uuid4().hex, now)
+        return cls(user=getpass.getuser(), host=socket.gethostname(), pid=os.getpid(),
+                   started=datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+                   command=" ".join(sys.argv)[:500], token=uuid.uuid4().hex, heartbeat=now)
 
     @classmethod
-    def parse(cls, text: str) -> Holder | None:
-        try:
-            fields = json.loads(text)
-            return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
-        except (ValueError, TypeError, KeyError):
-            return None
+    def read(cls, location: Location) -> Holder:
+        """The holder the lock file at ``location`` names; :class:`~pairsim.untrusted.UntrustedFileError`
+        naming it when it cannot be read or is not a lock pairsim writes."""
+        return read_model(location, cls, MAX_LOCK_BYTES)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+        return self.model_dump_json().encode()
 
     def describe(self) -> str:
         return f"{self.user}@{self.host} pid {self.pid} since {self.started} ({self.command})"
@@ -107,15 +113,14 @@ class Lock:
         while not self._stop.wait(HEARTBEAT_S):
             with contextlib.suppress(OSError):
                 if self._still_mine():
-                    self.holder = replace(self.holder, heartbeat=time.time())
+                    self.holder = self.holder.model_copy(update={"heartbeat": time.time()})
                     self.location.write_bytes(self.holder.to_json())
 
     def _still_mine(self) -> bool:
         try:
-            found = Holder.parse(self.location.read_text())
-        except (OSError, UnicodeDecodeError):
+            return Holder.read(self.location).token == self.holder.token
+        except UntrustedFileError:
             return False
-        return found is not None and found.token == self.holder.token
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock, unless another holder took it over."""
@@ -128,29 +133,32 @@ class Lock:
 
 def acquire(location: LocationLike, what: str) -> Lock:
     """Hold the lock file ``location`` for ``what`` (e.g. ``ray.run_name 'x'``), taking over one
-    whose holder is gone; :class:`NameInUse` naming the holder when it is alive."""
+    whose holder is gone; :class:`NameInUse` naming the holder when it is alive, or the file when
+    it is not a lock pairsim can read; :class:`~pairsim.errors.InputError` naming it when it
+    cannot be created there (a read-only place)."""
     location = Location.of(location)
     me = Holder.me()
     for _ in range(2):
-        if location.create(me.to_json()):
-            return Lock(location, me)
         try:
-            text = location.read_text()
-        except FileNotFoundError:  # released between the two calls
-            continue
-        except (OSError, UnicodeDecodeError) as exc:
-            raise NameInUse(f"{what}: the lock {location} cannot be read ({exc}); if no run holds it, "
-                            "delete it") from None
-        holder = Holder.parse(text)
-        if holder is None:
-            raise NameInUse(f"{what}: {location} is not a pairsim lock; if no run holds it, delete it")
+            if location.create(me.to_json()):
+                return Lock(location, me)
+        except OSError as exc:
+            raise InputError(f"{what}: the lock {location} cannot be created ({exc.strerror or exc}); "
+                             "choose a place this user can write") from None
+        try:
+            holder = Holder.read(location)
+        except UntrustedFileError as exc:
+            if not location.is_file():  # released between the two calls
+                continue
+            problem = " ".join(str(exc).split())  # one line: a field error lists each on its own; names the file
+            raise NameInUse(f"{what}: not a readable pairsim lock: {problem}; if no run holds it, delete it") from None
         reason = holder.gone()
         if reason is None:
             raise NameInUse(f"{what} is in use by {holder.describe()}; wait for it to end, stop it, or choose "
                             f"another name (lock: {location})")
         logger.warning("%s: taking over the lock of %s: %s", what, holder.describe(), reason)
-        with contextlib.suppress(OSError):
-            if Holder.parse(location.read_text()) == holder:  # not a fresh lock another start just took
+        with contextlib.suppress(OSError, UntrustedFileError):
+            if Holder.read(location) == holder:  # not a fresh lock another start just took
                 location.delete()
     raise NameInUse(f"{what}: another start took the lock {location} at the same moment")
 

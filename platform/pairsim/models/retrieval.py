@@ -1,15 +1,26 @@
 """The retrieval model pairsim trains: an open_clip model with its fusion module and optional
 heads (:class:`RetrievalModel`), and its export format — open_clip weights, a heads side file
 and a model card holding their checksums.
+
+An export's three files are one unit: their places are checked together before any work
+(:func:`claim_export`) — each absent, or the set there an earlier export pairsim wrote, which is
+replaced whole — then each file is written under a temporary name and renamed into place, the
+card last, and a heads file the new export lacks is removed.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pairsim import outputs
 from pairsim.config import ModelConfig
 from pairsim.models import clip, saved
 from pairsim.models.saved import ExportChecksums, ModelCard, UnsafeCheckpointError
@@ -98,19 +109,75 @@ def exported_files(weights: str | Path) -> tuple[Path, Path, Path]:
     return weights, weights.with_suffix(".heads.pt"), weights.with_suffix(".json")
 
 
+def claim_export(weights: str | Path) -> None:
+    """Check the files of an export to be written at ``weights`` (:func:`exported_files`) before
+    any work, each with :func:`pairsim.outputs.check_file_target`: absent, or — when the set there
+    is an export pairsim wrote (:func:`_written_by_pairsim`) — a file to replace.
+    :class:`~pairsim.outputs.OutputRefused` naming the first file in the way otherwise."""
+    if not Path(weights).name or Path(weights).name in (".", ".."):
+        raise outputs.OutputRefused(f"export weights {weights}: not a file name; give e.g. model.pt")
+    files = exported_files(weights)
+    if files[0] == files[2]:
+        raise outputs.OutputRefused(f"export weights {files[0]}: the name of its model card; give e.g. model.pt")
+    owned = _written_by_pairsim(files[0])
+    for path, what in zip(files, ("export weights", "export heads file", "export model card")):
+        outputs.check_file_target(path, what, owned)
+
+
+def _written_by_pairsim(weights: Path) -> bool:
+    """Whether the export files at ``weights`` are a set pairsim wrote: each a regular file or
+    absent, and the card a model card whose SHA-256 match the weights and heads there
+    (:func:`verified_export_card`). An export written before cards held checksums cannot be
+    told from someone else's files: it is not."""
+    if any(path.is_symlink() or path.exists() and not path.is_file() for path in exported_files(weights)):
+        return False  # nothing is read through a link or from a device
+    try:
+        return verified_export_card(weights).sha256 is not None
+    except (OSError, ValueError):  # UnsafeCheckpointError and MetadataError are ValueErrors
+        return False
+
+
+def _write_export_files(weights: Path, writers: Sequence[Callable[[Path], object] | None]) -> list[Path]:
+    """The files of the export at ``weights``, in :func:`exported_files`'s order: each written by
+    its writer under a temporary name beside it, then renamed onto it; one without a writer is
+    removed (a file of the export replaced that the new one lacks). Returns those written."""
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path, write in zip(exported_files(weights), writers):
+        if write is None:
+            path.unlink(missing_ok=True)
+            continue
+        temporary = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            write(temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+        written.append(path)
+    return written
+
+
 def write_exported(card: ModelCard, state_dict: dict[str, torch.Tensor], weights: str | Path) -> list[Path]:
     """Write a :class:`RetrievalModel` state dict as open_clip weights (loadable by
     ``open_clip.create_model_and_transforms(arch, pretrained=weights)``), its heads in a side
-    file (when it has any) and its card with both files' SHA-256; returns the files written."""
-    weights, heads_file, card_file = exported_files(weights)
-    written = [clip.save_open_clip_weights(open_clip_state(state_dict), weights)]
+    file (when it has any) and its card with both files' SHA-256, into the places
+    :func:`claim_export` cleared; returns the files written."""
+    weights, heads_file, _ = exported_files(weights)
     heads = {k: v.detach().float().cpu() for k, v in state_dict.items() if not k.startswith("clip.")}
-    if heads:
-        torch.save(heads, heads_file)
-        written.append(heads_file)
-    sums = ExportChecksums(weights=saved.sha256(weights), heads=saved.sha256(heads_file) if heads else None)
-    card_file.write_text(card.model_copy(update={"sha256": sums}).model_dump_json(indent=2))
-    return written + [card_file]
+
+    def write_card(path: Path) -> None:  # called once the weights and heads are in place
+        sums = ExportChecksums(weights=saved.sha256(weights), heads=saved.sha256(heads_file) if heads else None)
+        path.write_text(card.model_copy(update={"sha256": sums}).model_dump_json(indent=2))
+
+    return _write_export_files(weights, [functools.partial(clip.save_open_clip_weights, open_clip_state(state_dict)),
+                                         functools.partial(torch.save, heads) if heads else None, write_card])
+
+
+def copy_exported(source: str | Path, weights: str | Path) -> list[Path]:
+    """Copy the export at ``source`` (its files that exist) into the places :func:`claim_export`
+    cleared at ``weights``; returns the files written."""
+    return _write_export_files(Path(weights), [functools.partial(shutil.copyfile, path) if path.is_file() else None
+                                               for path in exported_files(source)])
 
 
 def verified_export_card(weights: str | Path) -> ModelCard:

@@ -3,10 +3,8 @@ registered in the model registry."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
-
 
 from pairsim import storage
 from pairsim.log import get_logger
@@ -20,17 +18,17 @@ MODEL_ARTIFACTS = "model"  # where a run's exported model lives among its MLflow
 
 
 def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[Path]:
-    """A training run's exported model (its best checkpoint's, logged under ``model/``) → ``out``.
-    A sqlite store that does not exist is refused, naming it, before MLflow would create an
-    empty one there."""
+    """A training run's exported model (its best checkpoint's, logged under ``model/``) → ``out``,
+    whose places are checked first (:func:`~pairsim.models.retrieval.claim_export`). A sqlite
+    store that does not exist is refused, naming it, before MLflow would create an empty one
+    there."""
     import mlflow.artifacts
 
     prefix = "sqlite:///"
     if tracking_uri.startswith(prefix) and not Path(tracking_uri[len(prefix):].split("?", 1)[0]).is_file():
         raise FileNotFoundError(f"run {run_id}: no MLflow store at {tracking_uri} (no such file; "
                                 f"--tracking-uri or MLFLOW_TRACKING_URI names the store the run is in)")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    retrieval.claim_export(out)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=MODEL_ARTIFACTS,
@@ -38,14 +36,9 @@ def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[
         except Exception as exc:  # MLflow raises several types for a missing run or artifact
             raise FileNotFoundError(f"run {run_id} in {storage.masked(tracking_uri)}: no exported model under "
                                     f"{MODEL_ARTIFACTS}/ ({exc})") from None
-        written = []
-        for source, target in zip(retrieval.exported_files(local / "model.pt"), retrieval.exported_files(out)):
-            if source.is_file():
-                shutil.copyfile(source, target)
-                written.append(target)
-    if not written:
-        raise FileNotFoundError(f"run {run_id}: {MODEL_ARTIFACTS}/ holds no model.pt")
-    return written
+        if not (local / "model.pt").is_file():
+            raise FileNotFoundError(f"run {run_id}: {MODEL_ARTIFACTS}/ holds no model.pt")
+        return retrieval.copy_exported(local / "model.pt", out)
 
 
 def register_model(weights: str | Path, name: str, tracking_uri: str, run_id: str | None = None,

@@ -12,7 +12,9 @@ loader, which unpickles freely. :func:`verify_checkpoint` checks those, the mode
 (:class:`~pairsim.models.saved.ModelCard`), checksums and that every rank's part is there; on
 resume the newest checkpoint that passes is used and newer ones that fail are reported and
 skipped (:func:`resume_point`); export and ``model.init_from`` take only one that passes
-(:func:`verified_card`); ``pairsim checkpoints list|verify`` shows the same.
+(:func:`verified_card`); ``pairsim checkpoints list|verify`` shows the same. A directory is
+taken for a checkpoint by its expected names only (:func:`is_checkpoint`), before anything in it
+is walked: a path that is neither a checkpoint nor a run directory is refused at once.
 :func:`export_checkpoint` consolidates a checkpoint — ZeRO-1/2/3 partitions merged into fp32
 weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weights),
 ``model.heads.pt`` and ``model.json``. A run starts from either form with ``model.init_from``
@@ -39,6 +41,7 @@ from pydantic import Field
 
 from pairsim import dist, log, storage
 from pairsim.config import ConfigError, Int, ModelConfig, Section
+from pairsim.errors import InputError
 from pairsim.models import clip, retrieval, saved
 from pairsim.models.saved import MetadataError, ModelCard, Sha256, UnsafeCheckpointError
 
@@ -48,6 +51,7 @@ CARD_FILE = "pairsim_model.json"
 CHECKSUMS_DIR = "pairsim_checksums"
 MODEL_PREFIX = "model."  # the RetrievalModel inside the engine's TrainingModule
 NO_CHECKSUMS = f"no {CHECKSUMS_DIR}/: written before pairsim kept checksums, cannot be verified"
+NOT_A_CHECKPOINT = f"not a pairsim checkpoint (neither {CARD_FILE} nor {CHECKPOINT_TAG}/ in it)"
 
 
 class RankChecksums(Section):
@@ -106,14 +110,25 @@ def write_checksums(ckpt_dir: str | Path, rank: int, world_size: int) -> None:
         RankChecksums(world_size=world_size, files=files).model_dump_json())
 
 
+def is_checkpoint(location: storage.LocationLike) -> bool:
+    """Whether ``location`` is a checkpoint directory, told by its model card or its DeepSpeed
+    checkpoint (``deepspeed/``); nothing else in it is looked at."""
+    location = storage.Location.of(location)
+    return (location / CARD_FILE).is_file() or \
+        (location / CHECKPOINT_TAG).info().type == pyarrow.fs.FileType.Directory
+
+
 def inspect_checkpoint(ckpt_dir: str | Path) -> tuple[ModelCard | None, list[str]]:
     """(its model card, or None when it has none that reads; what is wrong with it, [] when
-    nothing) of a checkpoint directory, in the order checked: a file or folder leading outside
-    it, no model card or one that is not what pairsim writes, no checksum files (alone:
-    :data:`NO_CHECKSUMS`), one that is not what pairsim writes or a rank's missing, a file
-    missing or not matching its checksum, or a ``.pt`` file that is not only tensors and
-    DeepSpeed states. Nothing is read before the first check passes."""
+    nothing) of a checkpoint directory, in the order checked: not one at all (alone:
+    :data:`NOT_A_CHECKPOINT`), a file or folder leading outside it, no model card or one that is
+    not what pairsim writes, no checksum files (alone: :data:`NO_CHECKSUMS`), one that is not what
+    pairsim writes or a rank's missing, a file missing or not matching its checksum, or a ``.pt``
+    file that is not only tensors and DeepSpeed states. Nothing is read before the first two
+    checks pass."""
     root = Path(ckpt_dir)
+    if not is_checkpoint(root):
+        return None, [NOT_A_CHECKPOINT]
     if problems := links_outside(root):
         return None, problems
     if not (root / CARD_FILE).is_file():
@@ -166,12 +181,15 @@ def checkpoints_in(run: storage.Location) -> list[storage.Location]:
 
 def inventory(path: str | Path) -> list[tuple[storage.Location, ModelCard | None, list[str]]]:
     """(checkpoint, :func:`inspect_checkpoint`'s card and problems) for ``path`` — a checkpoint,
-    or a run directory's every checkpoint, newest first (``pairsim checkpoints``)."""
+    or a run directory's every checkpoint, newest first (``pairsim checkpoints``);
+    :class:`~pairsim.errors.InputError` naming it when it is neither."""
     location = storage.Location.of(path)
-    found = [location] if (location / CARD_FILE).is_file() or (location / CHECKPOINT_TAG).info().type == \
-        pyarrow.fs.FileType.Directory else checkpoints_in(location)
+    if is_checkpoint(location):
+        found = [location]
+    else:
+        found = checkpoints_in(location) if location.info().type == pyarrow.fs.FileType.Directory else []
     if not found:
-        raise FileNotFoundError(f"{location}: neither a checkpoint nor a run directory holding checkpoint_* directories")
+        raise InputError(f"{location}: neither a checkpoint nor a run directory holding checkpoint_* directories")
     out = []
     for checkpoint in found:
         with checkpoint.local_copy() as local:
@@ -332,10 +350,10 @@ def checkpoint_state_dict(checkpoint: str | Path, zero_stage: int) -> dict[str, 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path) -> list[Path]:
     """Consolidate ``checkpoint``, once it verifies (:func:`verified_card`; one saved before
-    pairsim kept checksums too), and write ``out`` (open_clip weights) with its side files."""
+    pairsim kept checksums too), and write ``out`` (open_clip weights) with its side files, whose
+    places are checked first (:func:`~pairsim.models.retrieval.claim_export`)."""
+    retrieval.claim_export(out)
     card = verified_card(checkpoint, predating_checksums=True)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     return retrieval.write_exported(card, checkpoint_state_dict(checkpoint, card.zero_stage), out)
 
 
