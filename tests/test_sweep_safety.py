@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
+from pairsim import cluster
 from pairsim.errors import InputError
 from pairsim.tune.space import MAX_TRIALS, load_sweep
 from pairsim.tune.sweep import (STATE_FILE, STATE_MAX_BYTES, SweepState, UnvouchedTuneState, read_state,
@@ -43,9 +43,11 @@ def write_sweep_file(tmp_path: Path, space, sweep: dict, base=None, name: str = 
 
 
 @pytest.fixture
-def stopped_sweep(tiny_dataset, tmp_path):
+def stopped_sweep(tiny_dataset, tmp_path, monkeypatch):
     """A sweep as its driver left it when it stopped: Tune's state files in ``<storage>/stopped``
-    and their digests in :data:`STATE_FILE`. Returns (sweep, its directory)."""
+    and their digests in :data:`STATE_FILE`. Returns (sweep, its directory). Starting Ray fails
+    the test: every refusal must come before it."""
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: pytest.fail("Ray was started before the refusal"))
     base = DEMO | {"data": {"path": str(tiny_dataset), "test_split": None},
                    "ray": {"storage_path": str(tmp_path / "ray")},
                    "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}}
@@ -61,9 +63,8 @@ def stopped_sweep(tiny_dataset, tmp_path):
 
 
 def refusal(sweep, name: str) -> Exception:
-    with pytest.raises(InputError) as err:
+    with pytest.raises(InputError) as err:  # before Ray starts (stopped_sweep)
         run_sweep(sweep, name, resume=True)
-    assert not ray.is_initialized()  # refused before Ray started
     return err.value
 
 
@@ -92,13 +93,32 @@ def test_resume_refuses_a_replaced_tune_state_file_and_runs_none_of_its_code(sto
                                   "basic-variant-state-2099-01-01_00-00-00.json"])
 def test_resume_refuses_a_tune_state_file_pairsim_has_no_record_of(stopped_sweep, file):
     """A state file added since (Tune restores the newest searcher state it finds), or one written
-    after the last record: a driver killed outright (SIGKILL) records nothing."""
+    after the last record (a driver killed outright between two records)."""
     sweep, exp_dir = stopped_sweep
     (exp_dir / file).parent.mkdir(exist_ok=True)
     (exp_dir / file).write_bytes(pickle.dumps({"what": "unrecorded"}))
     error = refusal(sweep, "stopped")
     assert isinstance(error, UnvouchedTuneState) and str(exp_dir / file) in str(error)
     assert "recorded no SHA-256" in str(error)
+
+
+def test_a_running_sweep_records_its_state_so_a_killed_driver_resumes_from_the_last_record(stopped_sweep, monkeypatch):
+    """The driver's recorder (a Tune callback): state Tune writes while the sweep runs is recorded
+    within RECORD_EVERY_S; what it wrote after the last record is refused."""
+    from pairsim.tune import sweep as sweep_module
+
+    sweep, exp_dir = stopped_sweep
+    recorder = sweep_module.TuneStateRecorder(exp_dir, read_state(exp_dir))
+    (exp_dir / "tuner.pkl").write_bytes(pickle.dumps({"what": "Tune's state, a step later"}))
+    recorder.on_step_end(iteration=1, trials=[])
+    sweep_module.verify_tune_state(exp_dir, read_state(exp_dir).tune_state)  # killed now: resumes
+    (exp_dir / "tuner.pkl").write_bytes(pickle.dumps({"what": "written after the last record"}))
+    recorder.on_step_end(iteration=2, trials=[])  # within RECORD_EVERY_S of the last record: not recorded
+    error = refusal(sweep, "stopped")
+    assert isinstance(error, UnvouchedTuneState) and "tuner.pkl" in str(error)
+    monkeypatch.setattr(sweep_module, "RECORD_EVERY_S", 0.0)
+    recorder.on_step_end(iteration=3, trials=[])
+    sweep_module.verify_tune_state(exp_dir, read_state(exp_dir).tune_state)
 
 
 def test_a_sweep_killed_before_its_first_record_is_refused_and_its_files_kept(stopped_sweep):

@@ -14,10 +14,11 @@ Resume: the Tune experiment lives at ``<ray.storage_path>/<name>``; running the 
 (or ``--resume NAME``) restores it (``Tuner.restore``): finished trials are kept, unfinished
 ones continue from their Ray Train checkpoints into the same child runs. Tune's restore
 unpickles its state files (:data:`TUNE_STATE_FILES`), which would run any code put in them: when
-the sweep driver stops (done, failed, interrupted or stopped) pairsim records their SHA-256s in
+the sweep runs (every few seconds) and when its driver stops, pairsim records their SHA-256s in
 :data:`STATE_FILE`, and resumes only when every one of them still has its recorded digest. A
-driver killed outright (SIGKILL, a lost node) records nothing: its sweep is refused and runs
-again under a new name, its trials' directories and MLflow runs left as they are.
+driver killed outright resumes from its last record; Tune state written after it is refused
+(the sweep then runs again under a new name, its trials' directories and MLflow runs left as
+they are).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ TUNE_STATE_FILES = ("*.pkl", "*.json", "*/*.pkl")
 ``tuner.pkl``; ``experiment_state-*.json`` (each trial's fields as embedded pickles); the search
 algorithm's and callbacks' state (``searcher-state-*.pkl``, ``basic-variant-state-*.json``, ...,
 pickles whatever their suffix); a trial's ``error.pkl``."""
+RECORD_EVERY_S = 5.0  # how often a running sweep records its Tune state's digests (TuneStateRecorder)
 SWEEP_LOCK = "pairsim-sweep.lock"  # in the sweep's directory while it runs (pairsim.locks)
 CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it is, at which epoch
 CLONE_INFO_MAX_BYTES = 4096
@@ -313,6 +315,21 @@ class SweepProgress(tune.Callback):
                 f"{pending} pending; {spent} trial-epochs in {log.duration(elapsed)}; {eta}]")
 
 
+class TuneStateRecorder(tune.Callback):
+    """On the sweep driver: Tune's state files' SHA-256s recorded (:func:`record_tune_state`) every
+    :data:`RECORD_EVERY_S` while the sweep runs, so that a driver killed outright (SIGKILL, a lost
+    machine) leaves a record its resume can check. State Tune wrote after the last record (a few
+    seconds' worth) does not match it: such a resume is refused, never run unchecked."""
+
+    def __init__(self, exp_dir: Path, state: SweepState):
+        self.exp_dir, self.state, self.recorded = exp_dir, state, 0.0
+
+    def on_step_end(self, iteration, trials, **info) -> None:
+        if time.monotonic() - self.recorded >= RECORD_EVERY_S:
+            record_tune_state(self.exp_dir, self.state)
+            self.recorded = time.monotonic()
+
+
 def total_trials(sweep: Sweep) -> int:
     """The trials the sweep starts (a point two grids of a union share, once)."""
     return sweep.settings.num_samples * len(sweep.grid_points()) if sweep.union else sweep.trials_at_most()
@@ -421,7 +438,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
     trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), trial_function_resources(sweep, trials_at_once))
     try:  # Tune writes its state from here on: recorded however the driver stops (but SIGKILL)
         tuner = (tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
-                 if restoring else _new_tuner(sweep, exp_dir, trainable, trials_at_once, tracking_uri))
+                 if restoring else _new_tuner(sweep, exp_dir, trainable, trials_at_once, tracking_uri, state))
         with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_signals():
             grid = tuner.fit()
             children = tracking.child_runs(tracking_uri, parent_run_id)
@@ -434,9 +451,10 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
     return SweepResult(name, parent_run_id, tracking_uri, rows, best, exp_dir)
 
 
-def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, tracking_uri: str) -> tune.Tuner:
+def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, tracking_uri: str,
+               state: SweepState) -> tune.Tuner:
     """A new sweep's ``Tuner`` (its experiment in ``exp_dir``): its search algorithm and scheduler,
-    its trials named after it."""
+    its trials named after it, its callbacks (restored with it)."""
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     name, settings = exp_dir.name, sweep.settings
@@ -462,6 +480,7 @@ def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, trac
                                     max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
                                     trial_dirname_creator=TrialName(name), reuse_actors=False),
         run_config=tune.RunConfig(name=name, storage_path=str(exp_dir.parent), verbose=0,
-                                  callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep))],
+                                  callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep)),
+                                             TuneStateRecorder(exp_dir, state)],
                                   checkpoint_config=tune.CheckpointConfig(
                                       num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))
