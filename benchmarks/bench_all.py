@@ -46,6 +46,8 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),
+    # the fuzz suite at a long budget; not at quick sizes: the test command runs the same properties at 40 examples
+    "fuzz": (["--examples", "1000"], None),
     "demo": ([], None),  # the demo as shipped (~9 min); not at quick sizes: its figures are the shipped config's
     # the research figures (~2 h together on the Xeon): the reproduction table (pretrain, image teacher, 7 objectives ×
     # 3 seeds), then the Unified paper's Figure 5 as a sweep (9 trials) and CUSA's trade-off as a multi-objective sweep
