@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pairsim import cli, locks
@@ -114,6 +114,7 @@ def sandbox_with_victims() -> tempfile.TemporaryDirectory:
 
 @fuzz
 @given(text=st.one_of(config_trees.map(dump), st.text(max_size=400)))
+@example(text="data:\n  path: s3://\n")  # found by bench_fuzz.py: an AttributeError in storage.check_uri
 def test_any_config_file_is_a_config_or_one_config_error(text):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
@@ -259,6 +260,10 @@ command_lines = st.one_of(
 
 @settings(parent=fuzz, max_examples=max(EXAMPLES // 2, 10))
 @given(argv=command_lines)
+@example(argv=["shards", "inspect", "s3://"])  # found by bench_fuzz.py: an AttributeError in storage.check_uri
+@example(argv=["export", "--checkpoint", "out", "--out", "."])  # found by this test: a ValueError (an empty name)
+@example(argv=["export", "--checkpoint", "out", "--out", ""])
+@example(argv=["data", "synth", "--out", "a\x00b"])
 def test_any_command_line_ends_in_one_line_and_changes_nothing_it_does_not_own(argv):
     with sandbox_with_victims() as tmp:
         sandbox = Path(tmp)

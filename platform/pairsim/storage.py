@@ -67,7 +67,10 @@ def check_uri(uri: str) -> str:
     """``uri`` when its scheme is one pyarrow.fs opens and neither it nor, for ``s3://``, the
     endpoint the environment names carries credentials; else ValueError naming the problem
     (with the URI or endpoint masked)."""
-    scheme = _URI.match(uri).group(1).lower()
+    match = _URI.match(uri)
+    if match is None or not uri[match.end():].strip("/"):
+        raise ValueError(f"{masked(uri)}: names no bucket or path after its scheme (e.g. s3://bucket/data)")
+    scheme = match.group(1).lower()
     if scheme not in SCHEMES:
         raise ValueError(f"{masked(uri)}: unsupported scheme {scheme!r} (a local path or one of "
                          f"{', '.join(s + '://' for s in SCHEMES)})")
@@ -107,7 +110,7 @@ def parse(value: str | Path) -> str | Path:
     URIs become local paths."""
     if isinstance(value, str) and value.startswith("file://"):
         return Path(urllib.parse.urlsplit(value).path)
-    return check_uri(value.rstrip("/")) if is_uri(value) else Path(value)
+    return check_uri(value).rstrip("/") if is_uri(value) else Path(value)
 
 
 def absolute(value: str | Path) -> str | Path:
