@@ -242,3 +242,21 @@ def test_a_finished_sweep_resumes_and_refuses_once_its_tuner_pkl_is_replaced(ray
     with pytest.raises(UnvouchedTuneState, match="tuner.pkl"):
         run_sweep(sweep, "real", resume=True)
     assert not marker.exists()
+
+
+def test_a_trials_error_file_is_read_from_its_end_bounded(tmp_path):
+    from pairsim.tune import results
+
+    error = tmp_path / "error.txt"
+    error.write_bytes(b"x" * 50_000_000 + b"\n\xff\xfe garbage\nRuntimeError: " + b"y" * 5000 + b"\n\n")
+    last = results.trial_error(str(error))
+    assert last.startswith("RuntimeError: yyy") and len(last) == 1000
+    assert results.trial_error(str(tmp_path / "none.txt")) == ""
+
+
+@pytest.mark.parametrize("name", ["../outside", "/etc", "a/b", ".hidden", ""])
+def test_a_sweep_name_cannot_leave_the_storage_path(stopped_sweep, name):
+    sweep, exp_dir = stopped_sweep
+    with pytest.raises(InputError, match="--name"):
+        run_sweep(sweep, name or "..", resume=False)
+    assert sorted(p.name for p in exp_dir.parent.parent.iterdir()) == ["ray", "sweep.yaml"]

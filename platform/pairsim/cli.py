@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
                             ("verify", "every file there, matching its checksum, loadable without running code")):
         command = ckpts.add_parser(name, help=help_text)
         command.add_argument(
-            "path", help="a run directory (<ray.storage_path>/<run name>) or one checkpoint_* in it (path or URI)")
+            "path", type=location_arg,
+            help="a run directory (<ray.storage_path>/<run name>) or one checkpoint_* in it (path or URI)")
         command.set_defaults(func=_checkpoints)
 
     doctor = sub.add_parser("doctor", help="what this machine and cluster give a run, and whether the config's "

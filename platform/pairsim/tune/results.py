@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,12 +72,19 @@ def format_row(row: TrialRow, sweep: Sweep) -> str:
     return line + (f"  {row.error.splitlines()[-1][:200]}" if row.error else "")
 
 
+ERROR_TAIL_BYTES = 64 * 1024  # of a trial's error.txt: its last line is the exception
+
+
 def trial_error(error_file: str | None) -> str:
-    """The last line of a failed trial's error (the exception), or ''."""
+    """The last line of a failed trial's error (the exception), or '': read from the end of
+    Tune's ``error.txt``, at most :data:`ERROR_TAIL_BYTES` of it, and cut to 1,000 characters."""
     if not error_file or not Path(error_file).is_file():
         return ""
-    lines = [line for line in Path(error_file).read_text().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    with open(error_file, "rb") as f:
+        f.seek(max(f.seek(0, os.SEEK_END) - ERROR_TAIL_BYTES, 0))
+        tail = f.read().decode("utf-8", errors="replace")
+    lines = [line for line in tail.splitlines() if line.strip()]
+    return lines[-1].strip()[:1000] if lines else ""
 
 
 def trial_rows(grid, sweep: Sweep, children: list, sweep_name: str) -> list[TrialRow]:

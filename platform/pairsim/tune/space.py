@@ -54,7 +54,6 @@ from pairsim.registry import METRICS
 
 SHIPPED_CONFIGS = Path(__file__).parents[1] / "configs"
 SHIPPED_PREFIX = "pairsim:"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 RANDOM_POINTS_CHECKED = 16
 CORNER_POINTS_CHECKED = 256
 MAX_TRIALS = 10_000  # a sweep's trials unless sweep.max_trials says more: Tune holds every one on the driver

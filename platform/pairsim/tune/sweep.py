@@ -393,7 +393,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
         raise ConfigError(f"ray.storage_path: a sweep keeps its state and results on a local or mounted path, "
                           f"not {base.ray.storage_path}; single runs take object storage")
     storage = Path(base.ray.storage_path).resolve()
-    exp_dir = storage / name
+    exp_dir = Path(untrusted.child(storage, name, "--name", ConfigError).path)  # the sweep stays in storage
     restoring = tune.Tuner.can_restore(exp_dir)
     if resume and not restoring:
         raise ConfigError(f"--resume: no sweep {name!r} to resume in {storage}")
