@@ -264,6 +264,7 @@ command_lines = st.one_of(
 @example(argv=["export", "--checkpoint", "out", "--out", "."])  # found by this test: a ValueError (an empty name)
 @example(argv=["export", "--checkpoint", "out", "--out", ""])
 @example(argv=["data", "synth", "--out", "a\x00b"])
+@example(argv=["checkpoints", "list", "\x00"])  # found by bench_fuzz.py: a ValueError (embedded null byte)
 def test_any_command_line_ends_in_one_line_and_changes_nothing_it_does_not_own(argv):
     with sandbox_with_victims() as tmp:
         sandbox = Path(tmp)
