@@ -4,6 +4,7 @@ before any work and leaves no stale file; every command maps bad input to one li
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,15 @@ def test_a_garbled_teacher_store_manifest_is_one_config_error(tmp_path, content)
     (tmp_path / store.STORE_MANIFEST).write_text(content)
     with pytest.raises(ConfigError, match=store.STORE_MANIFEST):
         store.TeacherStore(tmp_path).manifest()
+
+
+@pytest.mark.parametrize("command", [["export", "--out", "m.pt"], ["evaluate", "--data", "d"]])
+def test_a_model_from_an_unreachable_mlflow_server_is_refused_in_seconds(tmp_path, capsys, monkeypatch, command):
+    from conftest import unused_port
+
+    monkeypatch.chdir(tmp_path)
+    started = time.monotonic()
+    status = cli.main([*command, "--run-id", "0123abcd", "--tracking-uri", f"http://127.0.0.1:{unused_port()}"])
+    assert "no MLflow server answers" in one_line_failure(capsys, status, 2)
+    assert time.monotonic() - started < 60  # MLflow's own client retries for minutes
+    assert list(tmp_path.iterdir()) == []

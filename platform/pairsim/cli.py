@@ -170,6 +170,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     from pairsim.cluster import init_ray
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    tracking.check_reachable(tracking_uri)  # in seconds: MLflow's client retries for minutes
     if args.split not in shards.read_manifest(args.data).splits:
         raise ConfigError(f"--split: {args.data} has no split {args.split!r}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,6 +198,8 @@ def _export(args: argparse.Namespace) -> None:
     from pairsim import tracking
 
     tracking_uri = tracking.resolve_tracking_uri(args.tracking_uri)
+    if args.run_id or args.register:
+        tracking.check_reachable(tracking_uri)
     written = _model_source(args, tracking_uri, args.out)
     print("wrote " + ", ".join(str(p) for p in written))
     if args.register:
