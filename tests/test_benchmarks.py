@@ -124,6 +124,7 @@ def test_a_rendered_table_shows_what_its_json_holds():
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 6.5–11 min alone (667 s on the 2-core EPYC, the test command then near CI's limit)
 def test_bench_all_quick_regenerates_every_results_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, not the session's
     done = subprocess.run([sys.executable, "benchmarks/bench_all.py", "--quick", "--results", str(tmp_path / "results"),
