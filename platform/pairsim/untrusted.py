@@ -88,11 +88,8 @@ def child(root: LocationLike, name: str, what: str, error: type[Exception] = Unt
 
 def sha256(source: LocationLike) -> str:
     """The SHA-256 of the file at ``source``, read in blocks."""
-    digest = hashlib.sha256()
     with Location.of(source).open_input() as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def verify_digest(source: LocationLike, expected: str, error: type[Exception] = UntrustedFileError) -> None:

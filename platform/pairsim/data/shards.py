@@ -93,16 +93,11 @@ def write_split(rows: Iterable[dict[str, Any]], split_dir: LocationLike,
     return counts
 
 
-def file_digest(path: Location) -> str:
-    with path.open_input() as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def shard_digests(root: LocationLike, split: str, digests: dict[str, str] | None = None) -> dict[str, str]:
     """Each shard of a split (its file name) → its SHA-256, in sorted order (``digests``:
     ``split/file`` → digest already known, e.g. from the build's shard markers)."""
     digests = digests or {}
-    return {path.name: digests.get(f"{split}/{path.name}") or file_digest(path)
+    return {path.name: digests.get(f"{split}/{path.name}") or untrusted.sha256(path)
             for path in split_dir(root, split).files(".parquet")}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pairsim import outputs
+from pairsim import outputs, untrusted
 from pairsim.config import ModelConfig
 from pairsim.models import clip, saved
 from pairsim.models.saved import ExportChecksums, ModelCard, UnsafeCheckpointError
@@ -166,7 +166,7 @@ def write_exported(card: ModelCard, state_dict: dict[str, torch.Tensor], weights
     heads = {k: v.detach().float().cpu() for k, v in state_dict.items() if not k.startswith("clip.")}
 
     def write_card(path: Path) -> None:  # called once the weights and heads are in place
-        sums = ExportChecksums(weights=saved.sha256(weights), heads=saved.sha256(heads_file) if heads else None)
+        sums = ExportChecksums(weights=untrusted.sha256(weights), heads=untrusted.sha256(heads_file) if heads else None)
         path.write_text(card.model_copy(update={"sha256": sums}).model_dump_json(indent=2))
 
     return _write_export_files(weights, [functools.partial(clip.save_open_clip_weights, open_clip_state(state_dict)),

@@ -6,7 +6,6 @@ inside its folder (:func:`outside`) and matching its SHA-256 (:func:`checksum_pr
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, TypeVar
@@ -74,11 +73,6 @@ def read_card(source: storage.LocationLike) -> ModelCard:
     return read_metadata(source, ModelCard)
 
 
-def sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def outside(root: Path, paths: Iterable[Path]) -> list[str]:
     """A problem for each of ``paths`` that resolves outside ``root`` (a link to a file or folder
     elsewhere, or a name with ``..``) or not at all (a loop of links), each named."""
@@ -103,6 +97,6 @@ def checksum_problems(root: Path, expected: dict[str, str]) -> list[str]:
     for name, digest in expected.items():
         if not (root / name).is_file():
             problems.append(f"{name}: missing")
-        elif sha256(root / name) != digest:
+        elif untrusted.sha256(root / name) != digest:
             problems.append(f"{name}: content differs from its checksum (truncated or altered)")
     return problems

@@ -39,7 +39,7 @@ import ray.train
 import torch
 from pydantic import Field
 
-from pairsim import dist, log, storage
+from pairsim import dist, log, storage, untrusted
 from pairsim.config import ConfigError, Int, ModelConfig, Section
 from pairsim.errors import InputError
 from pairsim.models import clip, retrieval, saved
@@ -103,7 +103,7 @@ def write_checksums(ckpt_dir: str | Path, rank: int, world_size: int) -> None:
     """``pairsim_checksums/rank_<rank>.json``: the SHA-256 of every file this rank wrote into
     ``ckpt_dir`` (Ray Train merges the ranks' directories into one checkpoint)."""
     root = Path(ckpt_dir)
-    files = {p.relative_to(root).as_posix(): saved.sha256(p) for p in sorted(root.rglob("*"))
+    files = {p.relative_to(root).as_posix(): untrusted.sha256(p) for p in sorted(root.rglob("*"))
              if p.is_file() and CHECKSUMS_DIR not in p.relative_to(root).parts}
     (root / CHECKSUMS_DIR).mkdir(exist_ok=True)
     (root / CHECKSUMS_DIR / f"rank_{rank}.json").write_text(
