@@ -46,7 +46,7 @@ def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str) 
                  "train": {"epochs": args.epochs, "log_every_n_steps": 50},
                  "ray": {"storage_path": str(out / "ray")},
                  "tracking": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "bench_tune"}},
-        "space": {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 100]}},
+        "space": {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 100]}},
         "sweep": {"search": "random", "seed": 0, "num_samples": args.trials, "scheduler": scheduler,
                   "max_concurrent_trials": 1}
         | ({"asha": {"grace_period": 1, "reduction_factor": args.reduction_factor}} if scheduler == "asha" else {})}))
@@ -98,7 +98,7 @@ def main() -> None:
 
     sweeps = results.Table(
         f"Shapes {args.num_train} train / {args.num_val} val, {args.trials} trials of up to {args.epochs} epochs, one at "
-        f"a time, random search seed 0 over loss.margin × loss.gamma",
+        f"a time, random search seed 0 over loss.base.margin × loss.base.gamma",
         ["sweep", "best val RSUM", "trial-epochs", "wall s", "stopped early", "median start-up s"],
         ["", ".2f", "d", ".0f", "d", ".1f"])
     for scheduler, (outcome, wall, startups) in rows.items():

@@ -31,12 +31,12 @@ SPACE = Path(__file__).resolve().parents[1] / "tune_spaces" / "unified_figure5.y
 FIGURE5 = figures.Figure(
     name="unified_figure5",
     title="Unified loss (Li et al.), Fig. 5 as a sweep: val RSUM against the margin m and the scale γ",
-    symbols={"loss.margin": "m", "loss.gamma": "γ"},
+    symbols={"loss.base.margin": "m", "loss.base.gamma": "γ"},
     panels=(
-        figures.Panel("loss.margin", (0.0, 0.1, 0.2, 0.3, 0.4), {"loss.gamma": 60}, (
+        figures.Panel("loss.base.margin", (0.0, 0.1, 0.2, 0.3, 0.4), {"loss.base.gamma": 60}, (
             figures.Statement("best at m = 0.2", "best_at", 0.2),
             figures.Statement("m > 0 beats m = 0 (VLC)", "beats_at", 0.0))),
-        figures.Panel("loss.gamma", (20, 40, 60, 80, 100), {"loss.margin": 0.2}, (
+        figures.Panel("loss.base.gamma", (20, 40, 60, 80, 100), {"loss.base.margin": 0.2}, (
             figures.Statement("as γ grows, RSUM rises then falls", "peaks_inside"),)),
     ))
 

@@ -9,7 +9,7 @@ import torch
 from conftest import on_gloo_ranks
 from pairsim.cli import objective_config
 from pairsim.config import ConfigError, load_config
-from pairsim.losses import build_objective
+from pairsim.build import build_objective
 from pairsim.models import clip
 from pairsim.models.retrieval import create_retrieval_model
 from pairsim.train import accumulation
@@ -91,7 +91,7 @@ def test_cached_features_step_is_the_big_batch_in_float64(objective):
     cfg = run_config(objective, *OBJECTIVES[objective])
     module = training_module(cfg)
     batches = [only_needed(module, b) for b in micro_batches(seed=1)]
-    big = module(**union(batches))
+    big = module.loss(**union(batches))
     big["loss"].backward()
     expected = gradients(module)
 
@@ -105,7 +105,7 @@ def test_cached_features_step_is_the_big_batch_in_float64(objective):
     independent = gradients(module)
     assert not all(torch.allclose(independent[n], expected[n]) for n in expected)
     for batch in batches:  # ... which is the mean of the micro-batches' own gradients
-        (module(**batch)["loss"] / K).backward()
+        (module.loss(**batch)["loss"] / K).backward()
     assert_same_gradients(independent, gradients(module))
 
 
@@ -127,7 +127,7 @@ def test_cached_features_step_on_two_ranks_is_the_global_big_batch(objective):
     module = training_module(cfg)
     batches = [only_needed(module, b) for rank in range(2)
                for b in micro_batches(seed=10 + rank, first_group=1000 * rank)]
-    big = module(**union(batches))  # rank 0's micro-batches, then rank 1's: the gathered order
+    big = module.loss(**union(batches))  # rank 0's micro-batches, then rank 1's: the gathered order
     big["loss"].backward()
     expected = gradients(module)
     for loss, grads in on_gloo_ranks(_cached_step_on_rank, objective).values():
@@ -174,10 +174,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     cfg = run_config("gcl_unified")
     module = training_module(cfg)
     batch = only_needed(module, union(micro_batches(seed=3)))
-    module(**batch)["loss"].backward()
+    module.loss(**batch)["loss"].backward()
     expected = gradients(module)
     module.model.clip.set_grad_checkpointing(True)
-    module(**batch)["loss"].backward()
+    module.loss(**batch)["loss"].backward()
     assert_same_gradients(gradients(module), expected)
 
 

@@ -1,4 +1,6 @@
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ def write(tmp_path, tree):
 def test_defaults_validate():
     cfg = load_config()
     assert cfg == RunConfig()
-    assert cfg.flat()["loss.margin"] == 0.2
+    assert cfg.flat()["loss.base.margin"] == 0.2
 
 
 def test_every_bad_field_is_reported_with_its_dotted_path(tmp_path):
@@ -32,7 +34,7 @@ def test_every_bad_field_is_reported_with_its_dotted_path(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
-    for expected in ["loss.margin", "loss.gamma", "loss.colour: unknown key", "train.zero_stage",
+    for expected in ["loss.base.margin", "loss.base.gamma", "loss.colour: unknown key", "train.zero_stage",
                      "train.precision", "optim.lr", "bogus_section: unknown key"]:
         assert expected in message, (expected, message)
     assert message.startswith("7 error(s)")
@@ -40,9 +42,9 @@ def test_every_bad_field_is_reported_with_its_dotted_path(tmp_path):
 
 def test_overrides_are_applied_and_parsed_as_yaml(tmp_path):
     path = write(tmp_path, {"loss": {"margin": 0.1}})
-    cfg = load_config(path, ["loss.margin=0.3", "optim.betas=[0.8, 0.9]", "train.precision=bf16",
+    cfg = load_config(path, ["loss.base.margin=0.3", "optim.betas=[0.8, 0.9]", "train.precision=bf16",
                              "model.pretrained=weights.pt"])
-    assert cfg.loss.base_params.margin == 0.3
+    assert cfg.loss.base.margin == 0.3
     assert cfg.optim.betas == (0.8, 0.9)
     assert cfg.train.precision == "bf16"
     assert cfg.model.pretrained == "weights.pt"
@@ -60,7 +62,7 @@ def test_unknown_override_key_is_rejected():
 
 def test_malformed_override_is_rejected():
     with pytest.raises(ConfigError, match="expected KEY=VALUE"):
-        load_config(None, ["loss.margin"])
+        load_config(None, ["loss.base.margin"])
 
 
 def test_missing_config_file_is_named(tmp_path):
@@ -98,21 +100,21 @@ def test_unknown_architecture_is_named(tmp_path, tiny_dataset, capsys):
 
 
 @pytest.mark.parametrize("override,field", [
-    ("loss.temperature.init=-0.1", "loss.temperature.init"),
+    ("loss.base.temperature.init=-0.1", "loss.base.temperature.init"),
     ("loss.cusa={image_teacher: {kind: initial_student}, cross_temperature: {init: -1}}",
      "loss.cusa.cross_temperature.init"),
-    ("loss.gamma=0", "loss.gamma"),
-    ("loss.gamma=-5", "loss.gamma"),
-    ("loss.base=circle", "loss.base"),
-    ("loss.structure=triangle", "loss.structure"),
+    ("loss.base.gamma=0", "loss.base.gamma"),
+    ("loss.base.gamma=-5", "loss.base.gamma"),
+    ("loss.base=circle", "loss.base.name"),
+    ("loss.structure=triangle", "loss.structure.name"),
     ("loss.cusa={alpha: 0.1}", "loss.cusa"),
     ("loss.cusa={image_teacher: {kind: unicom}}", "loss.cusa.image_teacher.kind"),
     ("loss.cusa={image_teacher: {kind: open_clip, arch: ViT-B-32}}", "loss.cusa.image_teacher.path"),
-    ("loss.temperature={init: 0.5, min: 0.01, max: 0.1}", "loss.temperature"),
+    ("loss.base.temperature={init: 0.5, min: 0.01, max: 0.1}", "loss.base.temperature"),
 ])
 def test_bad_loss_settings_are_rejected_naming_the_field(override, field):
     # the temperature is infonce's parameter
-    base = ["loss.base=infonce"] if override.startswith("loss.temperature") else []
+    base = ["loss.base=infonce"] if override.startswith("loss.base.temperature") else []
     with pytest.raises(ConfigError) as exc:
         load_config(None, base + [override])
     assert any(line.strip().startswith(field + ":") or line.strip().startswith(field + " ")
@@ -138,9 +140,9 @@ def test_credentials_in_the_ray_address_are_refused_and_masked():
 def test_config_files_layer_left_to_right(tmp_path):
     base = write(tmp_path, {"loss": {"margin": 0.1, "gamma": 30}, "train": {"epochs": 2}})
     overlay = tmp_path / "overlay.yaml"
-    overlay.write_text(yaml.safe_dump({"loss": {"structure": "gcl", "gamma": 40}}))
-    cfg = load_config([base, overlay], ["loss.margin=0.3"])
-    assert (cfg.loss.structure, cfg.loss.base_params.gamma, cfg.loss.base_params.margin,
+    overlay.write_text(yaml.safe_dump({"loss": {"structure": "gcl", "base": {"gamma": 40}}}))
+    cfg = load_config([base, overlay], ["loss.base.margin=0.3"])
+    assert (cfg.loss.structure.name, cfg.loss.base.gamma, cfg.loss.base.margin,
             cfg.train.epochs) == ("gcl", 40, 0.3, 2)
 
 
@@ -174,9 +176,9 @@ def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_datase
 # ------------------------------------------------------------- strict values, params owned by the entry
 
 @pytest.mark.parametrize("overrides,names", [
-    (["loss.base=infonce", "loss.margin=1.5"], ["loss.margin", "infonce"]),
-    (["loss.base=triplet_hn", "loss.gamma=10"], ["loss.gamma", "triplet_hn"]),
-    (["loss.structure=image_text", "loss.gcl_mask_self=false"], ["loss.gcl_mask_self", "image_text"]),
+    (["loss.base=infonce", "loss.base.margin=1.5"], ["loss.base.margin", "infonce"]),
+    (["loss.base=triplet_hn", "loss.base.gamma=10"], ["loss.base.gamma", "triplet_hn"]),
+    (["loss.structure=image_text", "loss.structure.mask_self=false"], ["loss.structure.mask_self", "image_text"]),
     (["optim.lr=inf"], ["optim.lr"]),
     (["optim.lr=.nan"], ["optim.lr"]),
     (["optim.lr=-.inf"], ["optim.lr"]),
@@ -227,17 +229,17 @@ def test_synth_with_no_split_to_write_is_refused_in_one_line(tmp_path, capsys, r
 
 def test_param_of_another_loss_names_the_chosen_ones_parameters():
     with pytest.raises(ConfigError) as exc:
-        load_config(None, ["loss.base=infonce", "loss.margin=1.5"])
-    assert "loss.margin: not a parameter of loss.base 'infonce' (its parameters: temperature;" in str(exc.value)
+        load_config(None, ["loss.base=infonce", "loss.base.margin=1.5"])
+    assert "loss.base.margin: not a key of loss.base 'infonce' (its keys: temperature;" in str(exc.value)
     assert str(exc.value).startswith("1 error(s)")
 
 
 def test_keys_no_entry_knows_stay_unknown_and_unknown_names_list_the_registered():
     with pytest.raises(ConfigError) as exc:
-        load_config(None, ["loss.base=circle", "loss.margin=0.3", "loss.colour=red"])
+        load_config(None, ["loss.base=circle", "loss.base.margin=0.3", "loss.colour=red"])
     message = str(exc.value)
     assert "loss.colour: unknown key" in message
-    assert "loss.base: not a registered name (registered: infonce, unified, triplet_hn" in message
+    assert "loss.base.name: not a registered name (registered: infonce, unified, triplet_hn" in message
     assert message.startswith("2 error(s)")  # margin is not reported against an unknown base
 
 
@@ -247,8 +249,8 @@ def test_floats_written_as_ints_and_yaml_1_2_exponents(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("optim:\n  lr: 2e-4\n  eps: 1E-8\nloss:\n  gamma: 20\n")
     cfg = load_config(path)
-    assert (cfg.optim.lr, cfg.optim.eps, cfg.loss.base_params.gamma) == (2e-4, 1e-8, 20.0)
-    assert isinstance(cfg.loss.base_params.gamma, float)
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.loss.base.gamma) == (2e-4, 1e-8, 20.0)
+    assert isinstance(cfg.loss.base.gamma, float)
 
 
 SHIPPED = sorted(Path(pairsim.cli.DEMO_CONFIG).parent.glob("objectives/*.yaml"))
@@ -263,38 +265,68 @@ def test_shipped_configs_load_and_round_trip(files):
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # as shipped to the Ray workers
     flat = cfg.flat()
     assert not any("params" in key for key in flat), flat
-    if cfg.loss.base == "unified":
-        assert {"loss.margin", "loss.gamma"} <= set(flat) and "loss.temperature.init" not in flat
-    if cfg.loss.base == "infonce":
-        assert "loss.temperature.init" in flat and "loss.margin" not in flat
-    if cfg.loss.structure == "gcl":
-        assert flat["loss.gcl_mask_self"] is True
+    if cfg.loss.base.name == "unified":
+        assert {"loss.base.margin", "loss.base.gamma"} <= set(flat) and "loss.base.temperature.init" not in flat
+    if cfg.loss.base.name == "infonce":
+        assert "loss.base.temperature.init" in flat and "loss.base.margin" not in flat
+    if cfg.loss.structure.name == "gcl":
+        assert flat["loss.structure.mask_self"] is True
     if cfg.loss.cusa is not None:
         assert flat["loss.cusa.text_teacher.kind"] == "sentence_transformers"
-        assert flat["loss.cusa.text_teacher.max_length"] == cfg.loss.cusa.text_teacher.params.max_length
+        assert flat["loss.cusa.text_teacher.max_length"] == cfg.loss.cusa.text_teacher.max_length
         assert "loss.cusa.text_teacher.path" in flat and "loss.cusa.image_teacher.path" not in flat
 
 
 def test_flat_keys_of_infonce_and_teachers():
-    cfg = load_config(None, ["loss.base=infonce", "loss.structure=gcl", "loss.temperature.init=0.07",
+    cfg = load_config(None, ["loss.base=infonce", "loss.structure=gcl", "loss.base.temperature.init=0.07",
                              "loss.cusa={image_teacher: {kind: open_clip, arch: pairsim-tiny, path: t.pt}}"])
     flat = cfg.flat()
-    assert (flat["loss.temperature.init"], flat["loss.gcl_mask_self"]) == (0.07, True)
+    assert (flat["loss.base.temperature.init"], flat["loss.structure.mask_self"]) == (0.07, True)
     assert (flat["loss.cusa.image_teacher.kind"], flat["loss.cusa.image_teacher.arch"],
             flat["loss.cusa.image_teacher.path"]) == ("open_clip", "pairsim-tiny", "t.pt")
-    assert list(cfg.loss.model_dump())[:3] == ["structure", "base", "temperature"]
+    assert list(cfg.loss.model_dump())[:2] == ["structure", "base"]
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
 
 
-def test_a_layer_that_replaces_the_base_drops_the_old_bases_params(tmp_path):
-    """demo.yaml sets unified's margin and gamma: a later layer choosing infonce drops them, one
-    choosing triplet_hn keeps the margin; a param written in the same layer is still refused."""
-    assert load_config(DEMO_CONFIG, ["loss.base=infonce"]).flat()["loss.temperature.init"] == 0.05
-    assert load_config(DEMO_CONFIG, ["loss.base=triplet_hn"]).loss.base_params.margin == 0.1
-    with pytest.raises(ConfigError, match=r"loss\.margin: not a parameter of loss\.base 'infonce'"):
-        load_config(DEMO_CONFIG, ["loss.base=infonce", "loss.margin=0.3"])
-    with pytest.raises(ConfigError, match=r"loss\.gamma: not a parameter of loss\.base 'triplet_hn'"):
-        load_config(write(tmp_path, {"loss": {"base": "triplet_hn", "gamma": 30}}))
+def test_a_layer_that_names_another_base_replaces_its_whole_subsection(tmp_path):
+    """demo.yaml sets unified's margin and gamma: a later layer choosing infonce or triplet_hn
+    starts from that part's own defaults; a key written in the same layer is still refused."""
+    assert load_config(DEMO_CONFIG, ["loss.base=infonce"]).flat()["loss.base.temperature.init"] == 0.05
+    assert load_config(DEMO_CONFIG, ["loss.base=triplet_hn"]).loss.base.margin == 0.2  # its own default
+    with pytest.raises(ConfigError, match=r"loss\.base\.margin: not a key of loss\.base 'infonce'.*'unified'"):
+        load_config(DEMO_CONFIG, ["loss.base=infonce", "loss.base.margin=0.3"])
+    with pytest.raises(ConfigError, match=r"loss\.base\.gamma: not a key of loss\.base 'triplet_hn'"):
+        load_config(write(tmp_path, {"loss": {"base": {"name": "triplet_hn", "gamma": 30}}}))
+
+
+def test_loading_a_config_imports_no_torch_and_registers_nothing():
+    """Config is data: the demo loads without torch, Ray, DeepSpeed or open_clip (a fresh process)."""
+    check = (f"import sys; from pairsim.config import load_config; load_config({str(DEMO_CONFIG)!r}); "
+             "heavy = {'torch', 'ray', 'deepspeed', 'open_clip'} & set(sys.modules); assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", check], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("flat,nested", [
+    ({"base": "unified", "margin": 0.3, "gamma": 30}, {"base": {"name": "unified", "margin": 0.3, "gamma": 30}}),
+    ({"base": "infonce", "temperature": {"init": 0.07}}, {"base": {"name": "infonce", "temperature": {"init": 0.07}}}),
+    ({"structure": "gcl", "gcl_mask_self": False}, {"structure": {"name": "gcl", "mask_self": False}}),
+    ({"margin": 0.3}, {"base": {"margin": 0.3}}),
+])
+def test_the_flat_loss_keys_of_the_last_release_still_read_with_a_warning_naming_the_new_key(tmp_path, flat, nested):
+    with pytest.warns(FutureWarning, match=r"loss\.(margin|temperature|gcl_mask_self) is deprecated.*loss\."
+                                           r"(base\.margin|base\.temperature|structure\.mask_self)"):
+        old = load_config(write(tmp_path, {"loss": flat}))
+    assert old == load_config(write(tmp_path, {"loss": nested}))
+
+
+def test_a_part_named_alone_or_with_its_keys_is_the_same_part():
+    assert load_config(None, ["loss.base=unified"]) == load_config(None, ["loss.base={name: unified}"]) == RunConfig()
+    by_set = load_config(None, ["loss.base.temperature.init=0.07", "loss.base=infonce"])
+    assert by_set == load_config(None, ["loss.base={name: infonce, temperature: {init: 0.07}}"])
+    with pytest.raises(ConfigError, match=r"loss\.base\.name: not a registered name \(registered: infonce, unified"):
+        load_config(None, ["loss.base={name: infonse}"])
 
 
 def test_shards_build_flags_are_build_configs_fields_with_their_help_and_defaults(tmp_path):

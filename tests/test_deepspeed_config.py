@@ -89,11 +89,11 @@ def _amp_engines(rank, world):
         engine = engines.create_engine(cfg, deepspeed_config(cfg.train, cfg.optim, total_steps=10))
         pixels, tokens = fixed_inputs(cfg)
         batch = {"image": pixels.to(engines.DTYPES["amp_bf16"]), "text": tokens, "group_ids": torch.arange(6)}
-        loss = engine(**batch)["loss"]
+        loss = engine(method="loss", **batch)["loss"]
         with torch.no_grad():
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                by_hand = engine.module(**batch)["loss"]
-            in_fp32 = engine.module(**batch)["loss"]
+                by_hand = engine.module.loss(**batch)["loss"]
+            in_fp32 = engine.module.loss(**batch)["loss"]
             embedded = engine(image=pixels)["image"]
         before = engine.module.model.clip.visual.conv1.weight.detach().clone()
         engine.backward(loss)
@@ -184,7 +184,7 @@ def _start_up_imports(rank, world):
     cfg = load_config(None, ["model.arch=pairsim-tiny", "train.zero_stage=2", "train.micro_batch_size=6"])
     engine = engines.create_engine(cfg, deepspeed_config(cfg.train, cfg.optim, total_steps=10))
     pixels, tokens = fixed_inputs(cfg)
-    engine.backward(engine(image=pixels, text=tokens, group_ids=torch.arange(6))["loss"])
+    engine.backward(engine(method="loss", image=pixels, text=tokens, group_ids=torch.arange(6))["loss"])
     engine.step()
     after_step = inductor in sys.modules
     from deepspeed.runtime.zero.muon import original_muon  # loaded by DeepSpeed above, or now

@@ -59,7 +59,7 @@ def test_deepspeed_ops_without_a_compiler_are_refused_before_launch(no_compiler,
     problem = engine.deepspeed_ops_problem()
     assert problem and "no nvcc" in problem and "optim.impl=torch" in problem
     with pytest.raises(ConfigError, match="no nvcc on PATH"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
     findings = {f.topic: f for f in doctor.compiler(cfg)}
     assert findings["optimizer"].blocking and "no nvcc" in findings["optimizer"].detail
     assert not {f.topic: f for f in doctor.compiler(load_config(None, ["train.use_gpu=true"]))}["optimizer"].blocking

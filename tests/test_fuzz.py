@@ -48,7 +48,7 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), nasty_
 json_trees = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                           st.dictionaries(nasty_text, kids, max_size=4)), max_leaves=20)
 CONFIG_KEYS = ["train.epochs", "train.micro_batch_size", "train.num_workers", "train.deepspeed", "loss.base",
-               "loss.margin", "loss.structure", "loss.cusa", "data.path", "data.val_path", "model.arch",
+               "loss.base.margin", "loss.structure", "loss.cusa", "data.path", "data.val_path", "model.arch",
                "optim.lr", "optim.betas", "ray.run_name", "ray.storage_path", "eval.ks", "eval.select_metric",
                "tracking.tracking_uri", "temperature.init", "x", "train", "loss"]
 
@@ -140,7 +140,7 @@ distribution = st.one_of(
                     st.lists(st.one_of(st.integers(-5, 100), st.floats(-1, 100), nasty_text), max_size=40),
                     min_size=1, max_size=2),
     json_trees)
-spaces = st.dictionaries(st.sampled_from(["loss.margin", "loss.gamma", "optim.lr", "temperature.init", "train.epochs",
+spaces = st.dictionaries(st.sampled_from(["loss.base.margin", "loss.base.gamma", "optim.lr", "temperature.init", "train.epochs",
                                           "loss.base", "x.y", "../z"]), distribution, max_size=4)
 sweep_trees = st.fixed_dictionaries(
     {"base": config_trees, "space": st.one_of(spaces, st.lists(spaces, max_size=30), json_trees)},

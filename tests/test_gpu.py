@@ -8,7 +8,7 @@ import torch
 from pairsim.config import load_config
 from pairsim.eval.metrics import blocked_retrieval_metrics
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split
-from pairsim.losses import build_objective
+from pairsim.build import build_objective
 from pairsim.models import clip
 from pairsim.models.fusion import NormalizedSumFusion
 from test_evaluate import class_problem, tied_problem

@@ -41,7 +41,7 @@ def test_aliases_are_refused_before_anything_expands(tmp_path):
         refused(path, r"not valid YAML: .*an alias \(\*a?\w+\) is not accepted in a config: write the value out")
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text("base:\n  bomb:\n" + "".join("    " + line + "\n" for line in ALIAS_BOMB.splitlines())
-                     + "space: {loss.margin: {uniform: [0.1, 0.2]}}\n")
+                     + "space: {loss.base.margin: {uniform: [0.1, 0.2]}}\n")
     refused(sweep, r"an alias \(\*a0\) is not accepted", sweep=True)
 
 

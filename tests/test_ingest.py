@@ -218,4 +218,4 @@ def test_a_run_that_leaves_ray_data_no_cpu_is_refused_before_it_starts(ray_insta
         cluster.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"cpus_per_worker": 2})}),
                                  roles)
     with pytest.raises(ConfigError, match="data.max_cpus"):
-        driver.check_ready(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))
+        driver.plan_run(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_cpus": 0.5})}))

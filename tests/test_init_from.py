@@ -136,7 +136,7 @@ def test_a_bad_init_from_stops_a_run_before_ray_starts(tmp_path, tiny_dataset, c
 
 
 def test_initial_student_teacher_starts_from_init_from(tmp_path):
-    from pairsim.teachers.encoders import build_teachers
+    from pairsim.build import build_teachers
 
     source = export(tmp_path / "model.pt", seed=0).eval()
     cfg = load_config(None, [f"model.init_from={tmp_path}/model.pt",

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from conftest import new_experiment
 from pairsim import cli, tracking
 from pairsim.config import ConfigError, load_config
-from pairsim.jobs import JobStopped, stop_on_signals
+from pairsim.signals import JobStopped, stop_on_signals
 from pairsim.train import driver
 
 
@@ -126,4 +126,4 @@ def test_paths_that_point_nowhere_are_refused_naming_the_key_and_where_they_reso
     for override, message in refusals.items():
         cfg = load_config(None, [f"data.path={tiny_dataset}", override]).with_absolute_paths()
         with pytest.raises(ConfigError, match=message):
-            driver.check_ready(cfg)
+            driver.plan_run(cfg)

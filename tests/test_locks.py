@@ -177,7 +177,7 @@ def test_a_run_sweep_or_build_on_a_held_name_is_refused_before_ray_starts(tiny_d
     from pairsim.tune.space import load_sweep
 
     space = tmp_path / "space.yaml"
-    space.write_text(f"base: {{config: [{run}]}}\nspace: {{loss.margin: {{uniform: [0.1, 0.3]}}}}\n"
+    space.write_text(f"base: {{config: [{run}]}}\nspace: {{loss.base.margin: {{uniform: [0.1, 0.3]}}}}\n"
                      "sweep: {num_samples: 1}\n")
     sweep = load_sweep(space)
     with locks.hold(Location.of(storage) / "busy" / sweeps.SWEEP_LOCK, "another sweep"):

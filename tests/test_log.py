@@ -51,7 +51,7 @@ def test_cli_takes_the_level_and_refuses_a_bad_one(tmp_path, capfd, monkeypatch)
 
 def test_durations_and_the_training_eta_read_as_a_person_would():
     from pairsim.log import duration
-    from pairsim.train.worker import progress_eta
+    from pairsim.train.hooks import progress_eta
 
     assert (duration(7.4), duration(247), duration(3900)) == ("0m07s", "4m07s", "1h05m")
     assert progress_eta(100, 64, 640.0) == "ETA 0m10s of training (+ validation)"  # 100 steps × 64 / 640 per s

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from conftest import on_gloo_ranks
 from pairsim.config import load_config
-from pairsim.losses import (CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Temperature, TripletHN, Unified,
-                            build_objective)
+from pairsim.build import build_objective
+from pairsim.losses import CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Temperature, TripletHN, Unified
 from pairsim.losses import functional as L
 from toy_loss import CosineHinge
 
@@ -326,7 +326,7 @@ def test_temperature_is_clamped_where_used():
 @pytest.mark.parametrize("structure,base", [("image_text", "unified"), ("image_text", "triplet_hn"),
                                             ("image_text", "infonce"), ("gcl", "unified"), ("gcl", "infonce")])
 def test_bf16_inputs_give_a_finite_fp32_loss_at_gamma_1000(structure, base):
-    params = {"unified": ["loss.gamma=1000", "loss.margin=0.5"], "triplet_hn": ["loss.margin=0.5"], "infonce": []}
+    params = {"unified": ["loss.base.gamma=1000", "loss.base.margin=0.5"], "triplet_hn": ["loss.base.margin=0.5"], "infonce": []}
     cfg = load_config(None, [f"loss.structure={structure}", f"loss.base={base}", *params[base],
                              "loss.cusa={image_teacher: {kind: initial_student}}"])
     feats = {k: v.bfloat16().requires_grad_(True) for k, v in features(32, 60, torch.float32).items()}
@@ -354,11 +354,11 @@ def test_non_finite_loss_stops_with_a_clear_error():
 
 MODULES = {
     "image_text_infonce": ["loss.base=infonce"],
-    "image_text_unified": ["loss.base=unified", "loss.gamma=30"],
+    "image_text_unified": ["loss.base=unified", "loss.base.gamma=30"],
     "image_text_triplet_hn": ["loss.base=triplet_hn"],
     "gcl_infonce": ["loss.structure=gcl", "loss.base=infonce"],
-    "gcl_unified": ["loss.structure=gcl", "loss.base=unified", "loss.gamma=30"],
-    "cusa_unified": ["loss.base=unified", "loss.gamma=30", "loss.cusa={image_teacher: {kind: initial_student}}"],
+    "gcl_unified": ["loss.structure=gcl", "loss.base=unified", "loss.base.gamma=30"],
+    "cusa_unified": ["loss.base=unified", "loss.base.gamma=30", "loss.cusa={image_teacher: {kind: initial_student}}"],
     "gcl_cusa_infonce": ["loss.structure=gcl", "loss.base=infonce",
                          "loss.cusa={image_teacher: {kind: initial_student}}"],
     "cusa_paper": CUSA_PAPER,
@@ -372,7 +372,7 @@ def run_case(name, local_loss, feats, rank=0, world=1):
     """(loss, feature grads [b, Σd], temperature grads) of one module on this process's share."""
     torch.manual_seed(0)
     # temperatures inside their ranges so their gradients are live
-    temperature = ["loss.temperature={init: 0.05, min: 0.01, max: 0.1}"] if "loss.base=infonce" in MODULES[name] else []
+    temperature = ["loss.base.temperature={init: 0.05, min: 0.01, max: 0.1}"] if "loss.base=infonce" in MODULES[name] else []
     cfg = load_config(None, MODULES[name] + [f"loss.local_loss={local_loss}", *temperature])
     objective = build_objective(cfg.loss, rank, world).double()
     b = B // world

@@ -3,6 +3,8 @@ what config, the driver, the CLI and the report accept is what is registered, no
 
 import argparse
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -14,10 +16,12 @@ from pairsim.cli import add_shards_parser
 from pairsim.config import ConfigError, load_config
 from pairsim.data.build_config import BuildConfig
 from pairsim.data import shards, sources
+from pairsim import metric_families
 from pairsim.eval import suite
 from pairsim.eval.report import format_report
 from pairsim.models.fusion import NormalizedSumFusion
-from pairsim.registry import DATA_FORMATS, FUSIONS, METRICS
+from pairsim.registry import DATA_FORMATS
+from pairsim.config import FUSIONS
 from pairsim.train import driver
 from conftest import remanifest
 from test_evaluate import tiny_split
@@ -28,8 +32,8 @@ SELECTABLE = suite.selectable_metrics(KS)
 
 # --------------------------------------------------------------------------- metrics
 
-def test_the_suite_registers_its_families_and_one_list_of_names():
-    assert METRICS.names() == ["crossmodal", "unimodal", "grid"]
+def test_metric_families_lists_the_families_and_one_list_of_names():
+    assert list(metric_families.FAMILIES) == ["crossmodal", "unimodal", "grid"]
     names = suite.metric_names(KS)
     assert {n: m for n, m in names.items() if m} == SELECTABLE
     assert {n for n, m in names.items() if m is None} == {
@@ -37,6 +41,19 @@ def test_the_suite_registers_its_families_and_one_list_of_names():
     assert len(SELECTABLE) == 4 * (len(KS) + 3) + 1 + 2 * 9
     assert suite.directions() == {"i2t": "image→text", "t2i": "text→image", "i2i": "image→image",
                                   "t2t": "text→text"}
+
+
+def test_metric_families_imports_no_torch():
+    code = "import sys, pairsim.metric_families; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_suite_computes_every_metric_family_and_reexports_its_names():
+    assert list(suite.COMPUTE) == list(metric_families.FAMILIES)
+    for name in ("FAMILIES", "GRID_KS", "MODALITIES", "DataFacts", "MetricFamily", "directions", "grid_metric_name",
+                 "metric_names", "ranking_metric_names", "selectable_metrics", "skipped_groups"):
+        assert getattr(suite, name) is getattr(metric_families, name)
 
 
 @pytest.mark.parametrize("metric", sorted(SELECTABLE))
@@ -111,7 +128,7 @@ def _single_caption_copy(src, dst, split):
 
 
 def _check(path, metric):
-    driver.check_ready(load_config(None, [f"data.path={path}", f"eval.select_metric={metric}"]))
+    driver.plan_run(load_config(None, [f"data.path={path}", f"eval.select_metric={metric}"]))
 
 
 def test_check_ready_refuses_a_metric_the_val_data_cannot_give(tiny_dataset, tmp_path):
@@ -135,10 +152,10 @@ def test_a_run_names_the_metrics_its_data_cannot_give(tiny_dataset, tmp_path, ca
     single = _single_caption_copy(tiny_dataset, tmp_path / "single", "val")
     cfg = load_config(None, [f"data.path={single}", "eval.select_metric=i2t_R@1"])
     with caplog.at_level("INFO", logger="pairsim"):
-        assert driver.skipped_metrics_tag(cfg, driver.check_ready(cfg).facts) == {"pairsim.skipped_metrics": "t2t,grid"}
+        assert driver.skipped_metrics_tag(cfg, driver.plan_run(cfg).facts) == {"pairsim.skipped_metrics": "t2t,grid"}
     assert "the val split of" in caplog.text and "no text→text, the modality grid metrics" in caplog.text
     plain = load_config(None, [f"data.path={tiny_dataset}"])
-    assert driver.skipped_metrics_tag(plain, driver.check_ready(plain).facts) == {}
+    assert driver.skipped_metrics_tag(plain, driver.plan_run(plain).facts) == {}
 
 
 # --------------------------------------------------------------------------- data formats
@@ -185,7 +202,7 @@ def test_list_source_passes_a_formats_own_options(tmp_path):
 # --------------------------------------------------------------------------- fusions
 
 def test_model_fusion_is_a_registered_name():
-    assert load_config(None, ["model.fusion=normalized_sum"]).model.fusion in FUSIONS
+    assert load_config(None, ["model.fusion=normalized_sum"]).model.fusion in FUSIONS.names()
     with pytest.raises(ConfigError, match="model.fusion: not a registered name.*normalized_sum"):
         load_config(None, ["model.fusion=concat"])
 

@@ -98,7 +98,7 @@ def _zero3_gcl_raw_sum(rank, world):
 
     from pairsim.cli import objective_config
     from pairsim.config import load_config
-    from pairsim.losses import build_objective
+    from pairsim.build import build_objective
     from pairsim.train.engine import TrainingModule, deepspeed_config
 
     cfg = load_config([objective_config("gcl_infonce")], ["train.zero_stage=3", "train.micro_batch_size=4"])
@@ -108,7 +108,7 @@ def _zero3_gcl_raw_sum(rank, world):
     engine, *_ = deepspeed.initialize(model=module, config=deepspeed_config(cfg.train, cfg.optim, 10),
                                       model_parameters=[p for p in module.parameters() if p.requires_grad])
     pixels, tokens = _tiny_inputs(rank)
-    out = engine(image=pixels.float(), text=tokens, group_ids=torch.arange(4) + 4 * rank)
+    out = engine(method="loss", image=pixels.float(), text=tokens, group_ids=torch.arange(4) + 4 * rank)
     engine.backward(out["loss"])
     names = ("model.clip.positional_embedding", "model.clip.text_projection")
     grads = {n: safe_get_full_grad(p).numpy().copy() for n, p in engine.module.named_parameters() if n in names}
@@ -123,7 +123,7 @@ def test_raw_sum_under_zero3_on_two_ranks_equals_one_process():
 
     from pairsim.cli import objective_config
     from pairsim.config import load_config
-    from pairsim.losses import build_objective
+    from pairsim.build import build_objective
 
     results = on_gloo_ranks(_zero3_gcl_raw_sum)
     cfg = load_config([objective_config("gcl_infonce")], [])

@@ -9,11 +9,12 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pairsim.data import ingest
-from pairsim.teachers import encoders, store
+from pairsim import build
+from pairsim.teachers import store
 from pairsim.train import driver, worker
 from pairsim.cli import DEMO_CONFIG, objective_config, shipped_objectives
 from pairsim.config import load_config
-from pairsim.losses import build_objective
+from pairsim.build import build_objective
 from pairsim.tracking import metric_key
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def test_each_shipped_objective_trains_end_to_end_and_lowers_its_loss(objective,
     cusa = cfg.loss.cusa
     terms = {"loss/csa", "loss/usa"} if cusa is not None else set()
     assert terms <= logged and all(len(history[t]) == STEPS for t in terms), (objective, sorted(logged))
-    ranges = {"temperature/base": cfg.loss.base_params.temperature} if cfg.loss.base == "infonce" else {}
+    ranges = {"temperature/base": cfg.loss.base.temperature} if cfg.loss.base.name == "infonce" else {}
     if cusa is not None:
         ranges |= {f"temperature/{name}": getattr(cusa, f"{name}_temperature") for name in ("cross", "image", "text")}
     for key, temperature in ranges.items():  # learnable ones stay in their range, fixed ones stay put
@@ -70,15 +71,15 @@ def test_each_shipped_objective_trains_end_to_end_and_lowers_its_loss(objective,
 
 def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_dataset, tmp_path):
     cfg = run_config(tiny_dataset, tmp_path, "cusa_unified", "data.augment=false")
-    store_dir = store.extract(cfg, tmp_path / "teacher", ["train"], batch_size=40, progress=False)
+    store_dir = store.extract(cfg, build.build_teachers(cfg), tmp_path / "teacher", ["train"], batch_size=40, progress=False)
     disk_cfg = cfg.model_copy(update={"loss": cfg.loss.model_copy(update={
         "cusa": cfg.loss.cusa.model_copy(update={"teacher_features": store_dir})})})
-    encoders.check_teachers(disk_cfg)
+    build.check_teachers(disk_cfg)
 
     ledger = ingest.skip_ledger("teacher-test-ledger")
-    live = encoders.build_teachers(cfg)
-    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger", *store.teacher_sources(cfg)).take_batch(1000, batch_format="numpy")  # the whole split
-    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger", *store.teacher_sources(disk_cfg)).take_batch(1000, batch_format="numpy")  # the whole split
+    live = build.build_teachers(cfg)
+    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger", *build.teacher_sources(cfg)).take_batch(1000, batch_format="numpy")  # the whole split
+    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger", *build.teacher_sources(disk_cfg)).take_batch(1000, batch_format="numpy")  # the whole split
     ray.kill(ledger)
     # the live pipeline ships teacher inputs, the disk pipeline extracted embeddings; caption draws
     # differ between the two, so compare on the disk batch's own (image, caption) picks

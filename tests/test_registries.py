@@ -1,6 +1,7 @@
-"""A base loss registered from outside the package (tests/toy_loss.py) is configured, validated,
-logged and trained exactly like the built-in ones: its own parameter, refused parameters of
-other losses, flat MLflow params, and an end-to-end run on the Ray workers."""
+"""A third-party base loss registered by an entry point (tests/toy_loss.py, listed in
+tests/pairsim_toy_plugin-0.1.dist-info/entry_points.txt) is configured, validated, logged and
+trained exactly like the built-in ones: its own parameter, refused parameters of other losses,
+MLflow params, and an end-to-end run on the Ray workers, which find it the same way."""
 
 import math
 
@@ -11,24 +12,25 @@ import yaml
 import toy_loss
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import ConfigError, RunConfig, load_config
-from pairsim.losses import ImageTextLoss, build_objective
-from pairsim.registry import BASE_LOSSES
+from pairsim.build import build_objective
+from pairsim.losses import ImageTextLoss
+from pairsim.config import BASE_LOSSES
 
 
 def test_toy_loss_validates_by_name_with_its_own_param():
-    assert "cos_hinge" in BASE_LOSSES.names() and BASE_LOSSES["cos_hinge"] is toy_loss.CosineHinge
-    cfg = load_config(None, ["loss.base=cos_hinge", "loss.cos_margin=0.4"])
-    assert cfg.loss.base_params == toy_loss.CosineHinge.Params(cos_margin=0.4)
+    assert "cos_hinge" in BASE_LOSSES.names() and BASE_LOSSES.plugin("cos_hinge") is toy_loss.CosineHinge
+    cfg = load_config(None, ["loss.base=cos_hinge", "loss.base.cos_margin=0.4"])
+    assert cfg.loss.base == toy_loss.CosineHinge.Params(name="cos_hinge", cos_margin=0.4)
     flat = cfg.flat()
-    assert flat["loss.base"] == "cos_hinge" and flat["loss.cos_margin"] == 0.4
-    assert "loss.margin" not in flat and "loss.gamma" not in flat
+    assert flat["loss.base.name"] == "cos_hinge" and flat["loss.base.cos_margin"] == 0.4
+    assert "loss.base.margin" not in flat and "loss.base.gamma" not in flat
     assert RunConfig.model_validate(cfg.model_dump(mode="json")) == cfg
     # demo.yaml's unified margin and gamma give way to the loss that replaces unified
-    assert load_config(DEMO_CONFIG, ["loss.base=cos_hinge"]).loss.base_params.cos_margin == 0.3
+    assert load_config(DEMO_CONFIG, ["loss.base=cos_hinge"]).loss.base.cos_margin == 0.3
 
 
 def test_toy_loss_builds_and_matches_its_formula():
-    objective = build_objective(load_config(None, ["loss.base=cos_hinge", "loss.cos_margin=0.5"]).loss)
+    objective = build_objective(load_config(None, ["loss.base=cos_hinge", "loss.base.cos_margin=0.5"]).loss)
     assert isinstance(objective.structure, ImageTextLoss)
     assert isinstance(objective.structure.base, toy_loss.CosineHinge)
     g = torch.Generator().manual_seed(0)
@@ -45,10 +47,10 @@ def test_toy_loss_builds_and_matches_its_formula():
 
 
 @pytest.mark.parametrize("overrides,names", [
-    (["loss.base=cos_hinge", "loss.gamma=10"], ["loss.gamma", "cos_hinge", "cos_margin"]),
-    (["loss.base=cos_hinge", "loss.margin=0.1"], ["loss.margin", "cos_hinge"]),
-    (["loss.base=unified", "loss.cos_margin=0.1"], ["loss.cos_margin", "unified", "'cos_hinge'"]),
-    (["loss.base=cos_hinge", "loss.cos_margin=3"], ["loss.cos_margin"]),
+    (["loss.base=cos_hinge", "loss.base.gamma=10"], ["loss.base.gamma", "cos_hinge", "cos_margin"]),
+    (["loss.base=cos_hinge", "loss.base.margin=0.1"], ["loss.base.margin", "cos_hinge"]),
+    (["loss.base=unified", "loss.base.cos_margin=0.1"], ["loss.base.cos_margin", "unified", "'cos_hinge'"]),
+    (["loss.base=cos_hinge", "loss.base.cos_margin=3"], ["loss.base.cos_margin"]),
 ])
 def test_train_refuses_a_param_of_another_loss(tmp_path, capsys, overrides, names):
     path = tmp_path / "run.yaml"
@@ -60,7 +62,7 @@ def test_train_refuses_a_param_of_another_loss(tmp_path, capsys, overrides, name
 
 
 def test_unknown_base_lists_the_registered_ones_with_the_toy():
-    with pytest.raises(ConfigError, match=r"loss\.base: not a registered name \(registered: .*cos_hinge"):
+    with pytest.raises(ConfigError, match=r"loss\.base\.name: not a registered name \(registered: .*cos_hinge"):
         load_config(None, ["loss.base=cos_hinges"])
 
 
@@ -71,7 +73,7 @@ def test_toy_loss_trains_on_the_ray_workers(ray_instance, tiny_dataset, tmp_path
     from pairsim.train import driver
 
     cfg = load_config(DEMO_CONFIG, [
-        f"data.path={tiny_dataset}", "loss.base=cos_hinge", "loss.cos_margin=0.2", "train.num_workers=2",
+        f"data.path={tiny_dataset}", "loss.base=cos_hinge", "loss.base.cos_margin=0.2", "train.num_workers=2",
         "train.micro_batch_size=16", "train.epochs=1", "train.log_every_n_steps=1", "optim.warmup_steps=2",
         "eval.batch_size=64", "data.test_split=null", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         f"ray.storage_path={tmp_path}/ray"])
@@ -80,5 +82,17 @@ def test_toy_loss_trains_on_the_ray_workers(ray_instance, tiny_dataset, tmp_path
     base = [m.value for m in client.get_metric_history(result.mlflow_run_id, "loss/base")]
     assert base and all(math.isfinite(v) for v in base), base
     params = client.get_run(result.mlflow_run_id).data.params
-    assert params["loss.base"] == "cos_hinge" and float(params["loss.cos_margin"]) == 0.2
-    assert "loss.margin" not in params
+    assert params["loss.base.name"] == "cos_hinge" and float(params["loss.base.cos_margin"]) == 0.2
+    assert "loss.base.margin" not in params
+
+
+def test_every_built_in_part_of_the_config_is_built():
+    """The config names the parts (pairsim.config.components), pairsim.build and the fusions
+    module make them: the two agree, so no name validates that cannot be built."""
+    from pairsim import build
+    from pairsim.config import components
+    from pairsim.models import fusion
+
+    for family in (components.BASE_LOSSES, components.STRUCTURES, components.TEACHERS):
+        assert set(family.builtins.values()) <= set(build.FACTORIES), family.key
+    assert list(components.FUSIONS.builtins) == list(fusion.BUILT_IN)

@@ -499,15 +499,15 @@ def test_a_truncated_or_foreign_shard_is_named_before_training(tmp_path):
 
     synth.generate(tmp_path / "d", num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
     cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
-    driver.check_ready(cfg)
+    driver.plan_run(cfg)
     train = sorted((tmp_path / "d" / "train").glob("*.parquet"))
     whole = train[1].read_bytes()
     train[1].write_bytes(whole[: len(whole) // 2])
     with pytest.raises(ConfigError, match=rf"data.path: {train[1]}: not a readable Parquet shard"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
     train[1].write_bytes(next((tmp_path / "d" / "val").glob("*.parquet")).read_bytes())  # 8 rows where 10 were
     with pytest.raises(ConfigError, match=r"data.path: .*/train: the shards hold 38 images, the manifest lists 40"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
 
 
 @pytest.mark.parametrize("damage", ["not json", "a field missing", "a count that is text"])
@@ -534,4 +534,4 @@ def test_a_damaged_manifest_is_named_before_training(damage, tmp_path):
         field = "splits.val.shards: Input should be a valid integer"
     cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
     with pytest.raises(ConfigError, match=rf"data.path: {path}: (not a pairsim manifest \()?{field}"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)

@@ -258,7 +258,7 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
     def run(epochs: int, resume: bool = False) -> driver.TrainResult:
         return driver.fit(config(epochs), resume=resume)
 
-    steps_per_epoch = driver.check_ready(config(1)).steps_per_epoch
+    steps_per_epoch = driver.plan_run(config(1)).steps_per_epoch
 
     first = run(1)
     resumed = run(2, resume=True)

@@ -51,7 +51,7 @@ def stopped_sweep(tiny_dataset, tmp_path, monkeypatch):
     base = DEMO | {"data": {"path": str(tiny_dataset), "test_split": None},
                    "ray": {"storage_path": str(tmp_path / "ray")},
                    "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}}
-    sweep = load_sweep(write_sweep_file(tmp_path, {"loss.margin": {"grid": [0.1, 0.2]}},
+    sweep = load_sweep(write_sweep_file(tmp_path, {"loss.base.margin": {"grid": [0.1, 0.2]}},
                                         {"search": "grid", "num_samples": 1}, base=base))
     exp_dir = tmp_path / "ray" / "stopped"
     (exp_dir / "stopped-00000").mkdir(parents=True)
@@ -176,7 +176,7 @@ def load_error(path: Path, overrides=None) -> str:
     return str(err.value)
 
 
-TEN_KEYS = ["loss.margin", "loss.gamma", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "data.seed",
+TEN_KEYS = ["loss.base.margin", "loss.base.gamma", "optim.lr", "optim.weight_decay", "optim.warmup_steps", "data.seed",
             "train.seed", "train.micro_batch_size", "train.log_every_n_steps", "eval.batch_size"]
 
 
@@ -191,17 +191,17 @@ def test_a_grid_of_more_points_than_max_trials_is_refused_before_they_are_listed
 
 
 def test_a_union_of_large_grids_and_many_samples_are_refused(tmp_path):
-    grids = [{"loss.margin": {"grid": [0.1 + i / 1000 for i in range(100)]},
-              "loss.gamma": {"grid": [g + i for i in range(100)]}} for g in range(10, 110)]
+    grids = [{"loss.base.margin": {"grid": [0.1 + i / 1000 for i in range(100)]},
+              "loss.base.gamma": {"grid": [g + i for i in range(100)]}} for g in range(10, 110)]
     union = write_sweep_file(tmp_path, grids, {"search": "grid", "num_samples": 1}, name="union.yaml")
     assert "up to 1,000,000 trials" in load_error(union)
-    samples = write_sweep_file(tmp_path, {"loss.margin": {"uniform": [0.1, 0.2]}}, {"num_samples": MAX_TRIALS + 1},
+    samples = write_sweep_file(tmp_path, {"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"num_samples": MAX_TRIALS + 1},
                                name="samples.yaml")
     assert f"{MAX_TRIALS + 1:,} trials" in load_error(samples)
 
 
 def test_max_trials_raises_the_cap_and_leaves_the_digest(tmp_path):
-    path = write_sweep_file(tmp_path, {"loss.margin": {"grid": [0.1, 0.2, 0.3]}, "loss.gamma": {"grid": [20, 40, 60]}},
+    path = write_sweep_file(tmp_path, {"loss.base.margin": {"grid": [0.1, 0.2, 0.3]}, "loss.base.gamma": {"grid": [20, 40, 60]}},
                             {"search": "grid", "num_samples": 1})
     assert "9 trials" in load_error(path, ["sweep.max_trials=8"])
     assert load_sweep(path, ["sweep.max_trials=9"]).digest() == load_sweep(path).digest()
@@ -210,7 +210,7 @@ def test_max_trials_raises_the_cap_and_leaves_the_digest(tmp_path):
 def test_a_union_of_many_invalid_points_lists_at_most_max_errors_shown(tmp_path):
     from pairsim.config.fields import MAX_ERRORS_SHOWN
 
-    grids = [{"loss.gamma": {"grid": [-1.0 - i]}} for i in range(300)]
+    grids = [{"loss.base.gamma": {"grid": [-1.0 - i]}} for i in range(300)]
     message = load_error(write_sweep_file(tmp_path, grids, {"search": "grid", "scheduler": "fifo"}))
     lines = message.splitlines()
     assert lines[0].startswith("300 error(s)")
@@ -228,7 +228,7 @@ def test_a_finished_sweep_resumes_and_refuses_once_its_tuner_pkl_is_replaced(ray
     from test_tune import write_sweep
 
     path = write_sweep(tmp_path / "real.yaml", tiny_dataset, tmp_path / "ray", f"sqlite:///{tmp_path}/mlflow.db",
-                       {"loss.margin": {"grid": [0.1]}},
+                       {"loss.base.margin": {"grid": [0.1]}},
                        {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 1})
     sweep = load_sweep(path, ["train.epochs=1"])
     assert [row.status for row in run_sweep(sweep, "real").rows] == ["finished"]

@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+from pairsim import build
 from pairsim.teachers import encoders, store
 from pairsim.train import driver
 from pairsim.config import ConfigError, load_config
@@ -21,29 +22,28 @@ def test_missing_teacher_files_are_named_before_the_cluster_starts(tiny_dataset,
     cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny",
                                                    "path": str(tmp_path / "nope.pt")})
     with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher\.path: no weights file"):
-        driver.check_ready(cfg)
-    cfg = cusa_config(tiny_dataset, image_teacher={"kind": "sentence_transformers"})
-    with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher: a sentence_transformers teacher encodes text"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
+    with pytest.raises(ConfigError, match=r"loss\.cusa\.image_teacher: .*a sentence_transformers teacher encodes text"):
+        cusa_config(tiny_dataset, image_teacher={"kind": "sentence_transformers"})
     cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
     with pytest.raises(ConfigError, match=r"loss\.cusa\.teacher_features: no teacher_manifest\.json"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
 
 
 def test_features_of_other_data_or_teachers_are_refused(tiny_dataset, tmp_path):
     cfg = cusa_config(tiny_dataset, teacher_features=str(tmp_path))
     manifest = {"data_content_hash": "0" * 64, "splits": ["train"],
-                "teachers": {m: t.identity() for m, t in encoders.build_teachers(cusa_config(tiny_dataset)).items()}}
+                "teachers": {m: t.identity() for m, t in build.build_teachers(cusa_config(tiny_dataset)).items()}}
     (tmp_path / store.STORE_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match="extracted from other data"):
-        driver.check_ready(cfg)
+        driver.plan_run(cfg)
     from pairsim.data import shards
 
     manifest["data_content_hash"] = shards.read_manifest(tiny_dataset).content_hash
     manifest["teachers"]["text"]["max_length"] = 99
     (tmp_path / store.STORE_MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"loss\.cusa\.text_teacher: .* differs from the teacher"):
-        driver.check_ready(cusa_config(tiny_dataset, teacher_features=str(tmp_path),
+        driver.plan_run(cusa_config(tiny_dataset, teacher_features=str(tmp_path),
                                        text_teacher={"kind": "sentence_transformers"}))
 
 
@@ -63,7 +63,7 @@ def test_initial_student_teacher_is_the_students_initialisation(tiny_dataset):
     from pairsim.models import retrieval
 
     cfg = cusa_config(tiny_dataset)
-    teacher = encoders.build_teachers(cfg)["image"]
+    teacher = build.build_teachers(cfg)["image"]
     torch.manual_seed(cfg.train.seed)
     student = retrieval.create_retrieval_model(cfg.model, unimodal_heads=True)
     for (name, got), want in zip(teacher.model.state_dict().items(), student.clip.state_dict().values()):
@@ -79,8 +79,8 @@ def test_open_clip_teacher_from_a_local_file_embeds_as_open_clip_does(tiny_datas
     torch.manual_seed(1)
     path = clip.save_open_clip_weights(clip.create_model(load_config().model).state_dict(), tmp_path / "t.pt")
     cfg = cusa_config(tiny_dataset, image_teacher={"kind": "open_clip", "arch": "pairsim-tiny", "path": str(path)})
-    encoders.check_teachers(cfg)
-    teacher = encoders.build_teachers(cfg)["image"]
+    build.check_teachers(cfg)
+    teacher = build.build_teachers(cfg)["image"]
     images = [Image.new("RGB", (80, 60), c) for c in ((200, 30, 30), (20, 200, 90))]
     reference, _, preprocess = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(path))
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_extraction_skips_unreadable_images_and_says_why(tiny_dataset):
     batch = {k: np.asarray(v, dtype=object) for k, v in rows.items()}
     batch["image"][1] = b"not an image"
     batch["path"] = np.asarray(["train/part-00000.parquet"] * 3, dtype=object)
-    out = store._EmbedShardRows(encoders.build_teachers(cusa_config(tiny_dataset)))(batch)
+    out = store._EmbedShardRows(build.build_teachers(cusa_config(tiny_dataset)))(batch)
     assert [bool(e) for e in out["error"]] == [False, True, False] and "UnidentifiedImageError" in out["error"][1]
     assert out["image"][0].shape == (128,) and out["image"][1].size == 0
     assert out["captions"][2].shape == (len(rows["captions"][2]), 384)

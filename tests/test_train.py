@@ -18,7 +18,7 @@ from pairsim.models import clip, retrieval
 from pairsim.train import checkpoints, driver, engine
 from pairsim.cli import DEMO_CONFIG, main, objective_config
 from pairsim.config import ConfigError, RunConfig, load_config
-from pairsim.losses import build_objective
+from pairsim.build import build_objective
 from pairsim.tracking import metric_key
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_mlflow_run_holds_params_metrics_and_artifacts(zero2_runs, tiny_dataset)
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert params["train.zero_stage"] == "2" and params["train.num_workers"] == "2"
-    assert params["loss.base"] == "unified" and params["loss.margin"] == "0.1" and params["loss.gamma"] == "20.0"
+    assert params["loss.base.name"] == "unified" and params["loss.base.margin"] == "0.1" and params["loss.base.gamma"] == "20.0"
     assert params["data.path"] == str(tiny_dataset)
     for key in ["train/loss", "train/lr", "train/samples_per_s", "val/i2t_R1", "val/i2t_R5", "val/i2t_R10",
                 "val/t2i_R1", "val/t2i_R5", "val/t2i_R10", "val/rsum", "val/i2t_mAPR", "val/t2i_R-P",

@@ -45,8 +45,8 @@ def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
 
     root = tmp_path_factory.mktemp("asha")
     path = write_sweep(root / "asha.yaml", tiny_dataset, root / "ray", mlflow_server,
-                       [{"loss.cos_margin": {"grid": [0.2]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
-                        {"loss.cos_margin": {"grid": [1.5]}, "optim.lr": {"grid": [2.0e-3]}}],
+                       [{"loss.base.cos_margin": {"grid": [0.2]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
+                        {"loss.base.cos_margin": {"grid": [1.5]}, "optim.lr": {"grid": [2.0e-3]}}],
                        {"search": "grid", "num_samples": 1, "scheduler": "asha",
                         "asha": {"grace_period": 1, "reduction_factor": 2}, "max_concurrent_trials": 1})
     sweep = load_sweep(path, ["loss.base=cos_hinge_unstable"])
@@ -55,7 +55,7 @@ def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
 
 def test_asha_stops_the_weak_trial_and_the_failing_ones_do_not_stop_the_sweep(asha_sweep):
     sweep, outcome = asha_sweep
-    by_point = {(r.point["loss.cos_margin"], r.point["optim.lr"]): r for r in outcome.rows}
+    by_point = {(r.point["loss.base.cos_margin"], r.point["optim.lr"]): r for r in outcome.rows}
     assert len(by_point) == 3
     assert by_point[(0.2, 2.0e-3)].status == "finished" and by_point[(0.2, 2.0e-3)].epochs == 2
     weak = by_point[(0.2, 1.0e-7)]
@@ -73,7 +73,7 @@ def test_the_parent_run_has_one_child_per_trial_with_its_params_status_and_curve
     parent = client.get_run(outcome.parent_run_id)
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["pairsim.search"] == "grid" and parent.data.tags["pairsim.scheduler"] == "asha"
-    assert parent.data.params["space.1.loss.cos_margin"] == "grid[1.5]"
+    assert parent.data.params["space.1.loss.base.cos_margin"] == "grid[1.5]"
     assert parent.data.metrics["trials/stopped_early"] == 1 and parent.data.metrics["trials/failed"] == 1
     artifacts = {a.path for a in client.list_artifacts(outcome.parent_run_id)}
     assert {"results.csv", "best.yaml", *results.PLOTS} <= artifacts, artifacts
@@ -87,7 +87,7 @@ def test_the_parent_run_has_one_child_per_trial_with_its_params_status_and_curve
         assert child.data.tags[tracking.PARENT_TAG] == outcome.parent_run_id
         assert child.info.status == expected[row.status], (row, child.info.status)
         assert child.data.tags[results.STATUS_TAG] == row.status.replace(" ", "_")
-        assert float(child.data.params["loss.cos_margin"]) == row.point["loss.cos_margin"]
+        assert float(child.data.params["loss.base.cos_margin"]) == row.point["loss.base.cos_margin"]
         assert float(child.data.params["optim.lr"]) == row.point["optim.lr"]
         curve = client.get_metric_history(row.run_id, tracking.metric_key(sweep.metric))
         assert len(curve) == row.epochs, (row, curve)
@@ -137,7 +137,7 @@ def test_a_sweep_driver_stopped_mid_sweep_resumes_into_the_same_parent(ray_insta
     `--resume` finishes the sweep."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "killed.yaml", tiny_dataset, tmp_path / "ray", uri,
-                       {"loss.margin": {"uniform": [0.05, 0.3]}},
+                       {"loss.base.margin": {"uniform": [0.05, 0.3]}},
                        {"search": "optuna", "num_samples": 2, "scheduler": "fifo", "max_concurrent_trials": 1})
     env = {**os.environ, "RAY_ADDRESS": ray_instance.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
@@ -192,7 +192,7 @@ def test_trials_that_do_not_fit_the_cluster_are_refused_before_the_sweep(ray_ins
 
     def sweep_with(**settings):
         path = write_sweep(tmp_path / "fit.yaml", tiny_dataset, tmp_path / "ray", f"sqlite:///{tmp_path}/m.db",
-                           {"loss.margin": {"uniform": [0.05, 0.3]}}, {"scheduler": "fifo", **settings})
+                           {"loss.base.margin": {"uniform": [0.05, 0.3]}}, {"scheduler": "fifo", **settings})
         return load_sweep(path)
 
     with pytest.raises(ConfigError, match=r"sweep\.resources: one trial needs 5 CPU"):
@@ -215,21 +215,21 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "union.yaml", tiny_dataset, tmp_path / "ray", uri,
-                       [{"loss.margin": {"grid": [0.3]}}, {"loss.gamma": {"grid": [40]}},
-                        {"loss.margin": {"grid": [0.3]}, "loss.gamma": {"grid": [20]}}],
+                       [{"loss.base.margin": {"grid": [0.3]}}, {"loss.base.gamma": {"grid": [40]}},
+                        {"loss.base.margin": {"grid": [0.3]}, "loss.base.gamma": {"grid": [20]}}],
                        {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 2})
-    sweep = load_sweep(path, ["train.epochs=1", "loss.gamma=20", "loss.margin=0.1"])
+    sweep = load_sweep(path, ["train.epochs=1", "loss.base.gamma=20", "loss.base.margin=0.1"])
     outcome = run_sweep(sweep, "union")
-    points = [{"loss.margin": 0.3, "loss.gamma": 20.0}, {"loss.margin": 0.1, "loss.gamma": 40}]
+    points = [{"loss.base.margin": 0.3, "loss.base.gamma": 20.0}, {"loss.base.margin": 0.1, "loss.base.gamma": 40}]
     assert sorted((r.point for r in outcome.rows), key=str) == sorted(points, key=str)
     assert [r.status for r in outcome.rows] == ["finished", "finished"] and outcome.best is not None
     with open(outcome.out_dir / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert sorted((float(r["loss.margin"]), float(r["loss.gamma"])) for r in table) == [(0.1, 40.0), (0.3, 20.0)]
+    assert sorted((float(r["loss.base.margin"]), float(r["loss.base.gamma"])) for r in table) == [(0.1, 40.0), (0.3, 20.0)]
     assert all(r["mlflow_run_id"] for r in table)
     client = MlflowClient(uri)
     parent = client.get_run(outcome.parent_run_id)
-    assert parent.data.params["space.1.loss.gamma"] == "grid[40]"
+    assert parent.data.params["space.1.loss.base.gamma"] == "grid[40]"
     assert {"results.csv", "best.yaml", *results.PLOTS} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     runs = [client.get_run(r.run_id) for r in outcome.rows]
     assert all("val/rsum" in run.data.metrics for run in runs)
@@ -239,8 +239,8 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
     for row in outcome.rows:
         child = client.get_run(row.run_id)
         assert child.data.tags[tracking.PARENT_TAG] == outcome.parent_run_id and child.info.status == "FINISHED"
-        assert (float(child.data.params["loss.margin"]), float(child.data.params["loss.gamma"])) == (
-            row.point["loss.margin"], row.point["loss.gamma"])
+        assert (float(child.data.params["loss.base.margin"]), float(child.data.params["loss.base.gamma"])) == (
+            row.point["loss.base.margin"], row.point["loss.base.gamma"])
     assert load_config(outcome.out_dir / "best.yaml") == sweep.trial_config(outcome.best.point)
 
 
@@ -331,7 +331,7 @@ def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_pat
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     path = write_sweep(tmp_path / "front.yaml", tiny_dataset, tmp_path / "ray", uri,
-                       {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 60]}},
+                       {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 60]}},
                        {"search": "optuna", "num_samples": 3, "metric": ["rsum", "i2i_mAP@R"],
                         "max_concurrent_trials": 2})
     sweep = load_sweep(path, ["train.epochs=1"])

@@ -41,7 +41,7 @@ def trials(metric) -> list[TrialRow]:
     """A finished trial at each point of the Figure 5 sweep, its metric ``metric(m, γ)`` (None: failed)."""
     rows = []
     for i, point in enumerate(SWEEP.grid_points()):
-        value = metric(point["loss.margin"], point["loss.gamma"])
+        value = metric(point["loss.base.margin"], point["loss.base.gamma"])
         rows.append(TrialRow(f"{i:05d}", "failed" if value is None else "finished", 6, point, value))
     return rows
 
@@ -95,7 +95,7 @@ def test_a_failed_trial_leaves_its_panel_not_measured(figure5):
     verdicts = figures.evaluate(figure5, rows, "max")[1]
     assert [v.outcome for v in verdicts] == ["holds", "holds", "not measured"]
     assert verdicts[2].detail == "no metric at γ = 80"
-    missing = [r for r in rows if r.point != {"loss.margin": 0.0, "loss.gamma": 60}]  # a trial never run
+    missing = [r for r in rows if r.point != {"loss.base.margin": 0.0, "loss.base.gamma": 60}]  # a trial never run
     assert outcomes(figure5, missing)[:2] == ["not measured", "not measured"]
 
 
@@ -108,12 +108,12 @@ def test_a_metric_ranked_min_judges_the_lowest_best(figure5):
 @pytest.mark.parametrize("make, message", [
     (lambda: figures.Statement("x", "best_at"), "best_at: needs a value at"),
     (lambda: figures.Statement("x", "peaks_inside", 0.2), "peaks_inside: takes no value at"),
-    (lambda: figures.Panel("loss.margin", (0.2, 0.1), {}, ()), "values must ascend"),
-    (lambda: figures.Panel("loss.margin", (0.1, 0.2), {}, (figures.Statement("x", "best_at", 0.3),)),
-     "loss.margin = 0.3 is not a value of the panel"),
-    (lambda: figures.Panel("loss.margin", (0.1, 0.2), {}, (figures.Statement("x", "beats_at", 0.2),)),
+    (lambda: figures.Panel("loss.base.margin", (0.2, 0.1), {}, ()), "values must ascend"),
+    (lambda: figures.Panel("loss.base.margin", (0.1, 0.2), {}, (figures.Statement("x", "best_at", 0.3),)),
+     "loss.base.margin = 0.3 is not a value of the panel"),
+    (lambda: figures.Panel("loss.base.margin", (0.1, 0.2), {}, (figures.Statement("x", "beats_at", 0.2),)),
      "beats_at needs values above 0.2"),
-    (lambda: figures.Panel("loss.margin", (0.1, 0.2), {}, (figures.Statement("x", "peaks_inside"),)),
+    (lambda: figures.Panel("loss.base.margin", (0.1, 0.2), {}, (figures.Statement("x", "peaks_inside"),)),
      "peaks_inside needs at least 3 values"),
 ], ids=["best-at-without-value", "peaks-inside-with-value", "unordered", "value-off-panel", "nothing-above",
         "two-values"])
@@ -134,7 +134,7 @@ def test_report_writes_and_logs_the_picture_and_the_verdicts(figure5_script, tmp
         assert image.format == "PNG" and image.width > 800
     data = json.loads((tmp_path / "unified_figure5.json").read_text())
     assert (data["metric"], data["mode"]) == ("val/rsum", "max") and "one seed" in data["note"]
-    assert data["panels"][1]["fixed"] == {"loss.margin": 0.2}
+    assert data["panels"][1]["fixed"] == {"loss.base.margin": 0.2}
     assert [p["metric"] for p in data["panels"][0]["points"]] == [106.0, 107.0, 108.0, 109.0, None]
     assert [v["outcome"] for v in data["verdicts"]] == ["not measured", "not measured", "does not hold"]
     client = MlflowClient(uri)

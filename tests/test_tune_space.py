@@ -2,7 +2,7 @@
 
 Every sweep YAML is written into ``tmp_path``; bases layer the shipped configs
 (``pairsim:demo.yaml``, ``pairsim:objectives/*.yaml``). Errors are checked by the path each
-line of the :class:`ConfigError` starts with (``space.loss.margin: ...``, ``sweep.search: ...``).
+line of the :class:`ConfigError` starts with (``space.loss.base.margin: ...``, ``sweep.search: ...``).
 """
 
 import math
@@ -84,8 +84,8 @@ def test_shipped_sweep_file_loads_and_every_checked_point_is_a_valid_trial(path)
 
 
 def test_parameter_of_another_base_loss_is_not_a_key_of_the_base(tmp_path):
-    path = write_sweep(tmp_path, base=INFONCE, space={"loss.margin": {"uniform": [0.0, 0.3]}})
-    line = line_of(sweep_error(path), "space.loss.margin:")
+    path = write_sweep(tmp_path, base=INFONCE, space={"loss.base.margin": {"uniform": [0.0, 0.3]}})
+    line = line_of(sweep_error(path), "space.loss.base.margin:")
     assert "not a key of the base config" in line
     assert "infonce" in line
 
@@ -107,18 +107,18 @@ def test_key_of_an_unset_optional_section_says_the_section_is_not_set(tmp_path):
 
 
 def test_bound_outside_the_field_limits_is_named_with_the_bound(tmp_path):
-    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 3.0]}})
+    path = write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 3.0]}})
     message = sweep_error(path)
-    line = line_of(message, "space.loss.margin:")
+    line = line_of(message, "space.loss.base.margin:")
     assert "high 3.0" in line
     assert "less than or equal to 2" in line
     assert "low 0.0" not in message  # the valid bound is not blamed
 
 
 @pytest.mark.parametrize("key, spec, expected", [
-    ("loss.margin", {"uniform": [0.4, 0.1]}, r"uniform needs low < high, got low=0\.4, high=0\.1"),
-    ("loss.gamma", {"loguniform": [0, 100]}, r"loguniform needs 0 < low"),
-    ("loss.gamma", {"loguniform": [-1.0, 100]}, r"loguniform needs 0 < low"),
+    ("loss.base.margin", {"uniform": [0.4, 0.1]}, r"uniform needs low < high, got low=0\.4, high=0\.1"),
+    ("loss.base.gamma", {"loguniform": [0, 100]}, r"loguniform needs 0 < low"),
+    ("loss.base.gamma", {"loguniform": [-1.0, 100]}, r"loguniform needs 0 < low"),
     ("optim.lr", {"quniform": [0.001, 0.01, 0]}, r"quniform needs q > 0"),
     ("optim.lr", {"quniform": [0.001, 0.01, -0.001]}, r"quniform needs q > 0"),
     ("optim.lr", {"quniform": [0.001, 0.01]}, r"quniform needs \[low, high, q\]"),
@@ -126,8 +126,8 @@ def test_bound_outside_the_field_limits_is_named_with_the_bound(tmp_path):
     ("optim.weight_decay", {"normal": [0.0, 1.0]}, r"'uniform', 'loguniform', 'quniform', 'randint'"),
     ("optim.eps", {"choice": []}, r"choice needs at least one value"),
     ("optim.eps", {"grid": []}, r"grid needs at least one value"),
-    ("loss.margin", {"uniform": [True, 1]}, r"uniform needs \[low, high\] as numbers"),
-    ("loss.margin", {"uniform": [0.1, 0.2], "choice": [0.3]}, r"write one distribution"),
+    ("loss.base.margin", {"uniform": [True, 1]}, r"uniform needs \[low, high\] as numbers"),
+    ("loss.base.margin", {"uniform": [0.1, 0.2], "choice": [0.3]}, r"write one distribution"),
 ], ids=["uniform-unordered", "loguniform-zero-low", "loguniform-negative-low", "quniform-zero-q",
         "quniform-negative-q", "quniform-no-q", "randint-float-bounds", "unknown-distribution", "empty-choice",
         "empty-grid", "bool-bound", "two-distributions"])
@@ -140,8 +140,8 @@ def test_malformed_distribution_is_named_by_its_key(tmp_path, key, spec, expecte
 
 def test_infinite_bound_is_refused(tmp_path):
     path = tmp_path / "sweep.yaml"
-    path.write_text("base: {config: [pairsim:demo.yaml]}\nspace: {loss.margin: {uniform: [0.0, .inf]}}\n")
-    assert "bounds must be finite" in line_of(sweep_error(path), "space.loss.margin:")
+    path.write_text("base: {config: [pairsim:demo.yaml]}\nspace: {loss.base.margin: {uniform: [0.0, .inf]}}\n")
+    assert "bounds must be finite" in line_of(sweep_error(path), "space.loss.base.margin:")
 
 
 def test_uniform_over_an_integer_key_is_refused(tmp_path):
@@ -168,37 +168,37 @@ def test_swept_epochs_need_asha_max_t(tmp_path):
 
 
 def test_corner_with_init_above_max_is_refused_as_a_point(tmp_path):
-    space = {"loss.temperature.init": {"uniform": [0.02, 0.09]}, "loss.temperature.max": {"uniform": [0.05, 0.2]}}
+    space = {"loss.base.temperature.init": {"uniform": [0.02, 0.09]}, "loss.base.temperature.max": {"uniform": [0.05, 0.2]}}
     message = sweep_error(write_sweep(tmp_path, base=INFONCE, space=space))
     lines = error_lines(message)
     assert lines and all(line.startswith("space: the point ") for line in lines), message
-    assert "'loss.temperature.init': 0.09, 'loss.temperature.max': 0.05" in message  # the bad corner
+    assert "'loss.base.temperature.init': 0.09, 'loss.base.temperature.max': 0.05" in message  # the bad corner
     assert "need min <= init <= max" in lines[0]
 
 
 def test_space_whose_every_point_is_ordered_is_valid(tmp_path):
-    space = {"loss.temperature.init": {"uniform": [0.02, 0.09]}, "loss.temperature.max": {"uniform": [0.1, 0.2]}}
+    space = {"loss.base.temperature.init": {"uniform": [0.02, 0.09]}, "loss.base.temperature.max": {"uniform": [0.1, 0.2]}}
     sweep = load_sweep(write_sweep(tmp_path, base=INFONCE, space=space))
-    assert sweep.base.loss.base == "infonce"
+    assert sweep.base.loss.base.name == "infonce"
 
 
 # 7. sweep settings -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("space, sweep, prefix, expected", [
-    ({"loss.margin": {"grid": [0.1, 0.2]}}, {"search": "optuna"}, "sweep.search:", r"optuna .*no grid.*loss\.margin"),
-    ({"loss.margin": {"grid": [0.1, 0.2]}, "loss.gamma": {"uniform": [10, 30]}}, {"search": "grid"},
-     "sweep.search:", r"grid needs every space key to be a grid; not: loss\.gamma$"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "fifo", "asha": {"grace_period": 1}},
+    ({"loss.base.margin": {"grid": [0.1, 0.2]}}, {"search": "optuna"}, "sweep.search:", r"optuna .*no grid.*loss\.base\.margin"),
+    ({"loss.base.margin": {"grid": [0.1, 0.2]}, "loss.base.gamma": {"uniform": [10, 30]}}, {"search": "grid"},
+     "sweep.search:", r"grid needs every space key to be a grid; not: loss\.base\.gamma$"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "fifo", "asha": {"grace_period": 1}},
      "sweep", r"asha: only for scheduler asha, not fifo"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"num_samples": 0}, "sweep.num_samples:", r"greater than or equal to 1"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"mode": "min"}, "sweep.mode:", r"'min', but val/rsum is ranked 'max'"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"metric": "t2i_median_rank", "mode": "max"}, "sweep.mode:",
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"num_samples": 0}, "sweep.num_samples:", r"greater than or equal to 1"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"mode": "min"}, "sweep.mode:", r"'min', but val/rsum is ranked 'max'"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"metric": "t2i_median_rank", "mode": "max"}, "sweep.mode:",
      r"val/t2i_median_rank is ranked 'min'"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"search": "bayes"}, "sweep.search:", r"'random', 'grid' or 'optuna'"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"asha": {"grace_period": 3, "max_t": 2}},
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"search": "bayes"}, "sweep.search:", r"'random', 'grid' or 'optuna'"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"asha": {"grace_period": 3, "max_t": 2}},
      "sweep.asha.grace_period:", r"3 epochs is more than the 2 a trial runs"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"num_sample": 4}, "sweep.num_sample:", r"unknown key"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"num_sample": 4}, "sweep.num_sample:", r"unknown key"),
 ], ids=["optuna-with-grid", "grid-with-uniform", "fifo-with-asha", "zero-samples", "min-for-rsum",
         "max-for-median-rank", "unknown-search", "grace-beyond-max-t", "misspelt-setting"])
 def test_bad_sweep_setting_is_named(tmp_path, space, sweep, prefix, expected):
@@ -211,40 +211,49 @@ def test_bad_sweep_setting_is_named(tmp_path, space, sweep, prefix, expected):
 
 
 def test_unknown_metric_is_refused_under_sweep_metric(tmp_path):
-    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 3.0]}},
+    message = sweep_error(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 3.0]}},
                                       sweep={"metric": "nonsense"}))
     assert re.search(r"select_metric: 'nonsense' is not a metric", line_of(message, "sweep.metric:")), message
     assert "Value error" not in message
-    assert line_of(message, "space.loss.margin:")  # the space is still checked
+    assert line_of(message, "space.loss.base.margin:")  # the space is still checked
 
 
 def test_one_bad_sweep_setting_does_not_hide_the_others(tmp_path):
-    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    message = sweep_error(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                       sweep={"num_samples": 0, "search": "grid", "mode": "min"}))
     assert line_of(message, "sweep.num_samples:") and line_of(message, "sweep.mode:")
     assert "grid" in line_of(message, "sweep.search:")
 
 
 def test_quniform_bounds_must_be_multiples_of_q(tmp_path):
-    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"quniform": [0.05, 0.35, 0.1]}}))
-    assert "multiples of q" in line_of(message, "space.loss.margin:")
+    message = sweep_error(write_sweep(tmp_path, space={"loss.base.margin": {"quniform": [0.05, 0.35, 0.1]}}))
+    assert "multiples of q" in line_of(message, "space.loss.base.margin:")
 
 
 def test_a_set_on_an_empty_space_or_sweep_section(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("base: {config: [pairsim:demo.yaml]}\nspace:\nsweep:\n")
-    sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}", "sweep.num_samples=3"])
-    assert sweep.settings.num_samples == 3 and sweep.keys == ["loss.margin"]
+    sweep = load_sweep(path, ["space.loss.base.margin={uniform: [0.0, 0.2]}", "sweep.num_samples=3"])
+    assert sweep.settings.num_samples == 3 and sweep.keys == ["loss.base.margin"]
+
+
+def test_a_space_of_the_last_releases_flat_loss_keys_reads_with_a_warning_naming_the_new_keys(tmp_path):
+    old = {"loss.margin": {"uniform": [0.0, 0.3]}, "loss.gamma": {"grid": [20, 40]}}
+    with pytest.warns(FutureWarning, match=r"loss\.margin is deprecated.*write loss\.base\.margin"):
+        sweep = load_sweep(write_sweep(tmp_path, space=old))
+    assert sweep.keys == ["loss.base.margin", "loss.base.gamma"]
+    trial = sweep.trial_config({"loss.base.margin": 0.25, "loss.base.gamma": 40})
+    assert (trial.loss.base.margin, trial.loss.base.gamma) == (0.25, 40)
 
 
 def test_a_bad_base_config_entry_is_named_once(tmp_path):
-    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    message = sweep_error(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                       base={"config": [3]}))
     assert line_of(message, "base.config: expected a path") and "base.config: base.config" not in message
 
 
 def test_known_metric_sets_the_sweeps_metric_and_mode(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                    sweep={"metric": "t2i_median_rank"}))
     assert (sweep.metric, sweep.mode) == ("val/t2i_median_rank", "min")
     assert sweep.base.eval.select_metric == "t2i_median_rank"
@@ -262,14 +271,14 @@ def test_unknown_top_level_section_and_empty_space_are_named(tmp_path):
 
 def test_all_independent_problems_are_reported_in_one_error(tmp_path):
     path = write_sweep(tmp_path, space={
-        "loss.margin": {"uniform": [0.0, 3.0]},      # a bound beyond the field's limit
+        "loss.base.margin": {"uniform": [0.0, 3.0]},      # a bound beyond the field's limit
         "loss.nope": {"uniform": [0.1, 0.2]},        # not a key
         "optim.lr": {"uniform": [0.4, 0.1]},         # unordered bounds
     }, sweep={"num_samples": 0})                     # a bad setting
     message = sweep_error(path)
     assert message.splitlines()[0] == f"4 error(s) in {path}:"
     assert error_count(message) == len(error_lines(message)) == 4
-    assert "high 3.0" in line_of(message, "space.loss.margin:")
+    assert "high 3.0" in line_of(message, "space.loss.base.margin:")
     assert "not a key of the base config" in line_of(message, "space.loss.nope:")
     assert "low < high" in line_of(message, "space.optim.lr:")
     assert line_of(message, "sweep.num_samples:")
@@ -279,7 +288,7 @@ def test_all_independent_problems_are_reported_in_one_error(tmp_path):
 
 
 def test_overrides_set_sweep_settings_and_base_keys(tmp_path):
-    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}}, sweep={"num_samples": 8})
+    path = write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}}, sweep={"num_samples": 8})
     plain = load_sweep(path)
     assert (plain.settings.num_samples, plain.base.train.epochs) == (8, 6)
     sweep = load_sweep(path, ["sweep.num_samples=3", "train.epochs=2"])
@@ -289,17 +298,17 @@ def test_overrides_set_sweep_settings_and_base_keys(tmp_path):
 
 
 def test_space_override_replaces_the_distribution(tmp_path):
-    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"uniform": [10, 30]}})
-    sweep = load_sweep(path, ["space.loss.margin={uniform: [0.0, 0.2]}"])
+    path = write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"uniform": [10, 30]}})
+    sweep = load_sweep(path, ["space.loss.base.margin={uniform: [0.0, 0.2]}"])
     [space] = sweep.spaces
-    assert space["loss.margin"] == Distribution(kind="uniform", args=[0.0, 0.2])
-    assert space["loss.gamma"].args == [10, 30]  # the other keys stay
+    assert space["loss.base.margin"] == Distribution(kind="uniform", args=[0.0, 0.2])
+    assert space["loss.base.gamma"].args == [10, 30]  # the other keys stay
 
 
 def test_space_override_is_validated_like_the_file(tmp_path):
-    path = write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}})
-    message = sweep_error(path, ["space.loss.margin={uniform: [0.0, 3.0]}", "sweep.num_samples=0"])
-    assert "high 3.0" in line_of(message, "space.loss.margin:")
+    path = write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}})
+    message = sweep_error(path, ["space.loss.base.margin={uniform: [0.0, 3.0]}", "sweep.num_samples=0"])
+    assert "high 3.0" in line_of(message, "space.loss.base.margin:")
     assert line_of(message, "sweep.num_samples:")
 
 
@@ -325,7 +334,7 @@ def test_load_config_with_a_partly_written_cusa_temperature_keeps_its_own_defaul
     cross, image = cfg.loss.cusa.cross_temperature, cfg.loss.cusa.image_temperature
     assert (cross.init, cross.min, cross.max) == (0.5, 0.1, 0.99)
     assert (image.init, image.min, image.max) == (0.5, 0.1, 1.0)
-    assert cfg.loss.base_params.margin == 0.2  # the objective's own values stay
+    assert cfg.loss.base.margin == 0.2  # the objective's own values stay
 
 
 # 12. Distribution ----------------------------------------------------------------------------------
@@ -396,22 +405,22 @@ def test_domain_gives_ray_tune_search_objects():
 
 
 def test_digest_is_stable_for_the_same_file_and_changes_with_a_bound(tmp_path):
-    space = {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [10, 100]}}
+    space = {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 100]}}
     first = load_sweep(write_sweep(tmp_path, space=space, name="a.yaml"))
     again = load_sweep(write_sweep(tmp_path, space=space, name="b.yaml"))
     assert first.digest() == again.digest()
     assert len(first.digest()) == 64
-    changed = dict(space, **{"loss.margin": {"uniform": [0.0, 0.3]}})
+    changed = dict(space, **{"loss.base.margin": {"uniform": [0.0, 0.3]}})
     assert load_sweep(write_sweep(tmp_path, space=changed, name="c.yaml")).digest() != first.digest()
     assert load_sweep(write_sweep(tmp_path, space=space, name="d.yaml"),
                       ["train.epochs=3"]).digest() != first.digest()  # the base counts too
 
 
 def test_params_name_the_space_and_the_settings(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}},
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}},
                                    sweep={"search": "optuna", "num_samples": 5}))
     params = sweep.params()
-    assert params["space.loss.margin"] == "uniform[0.0, 0.4]"
+    assert params["space.loss.base.margin"] == "uniform[0.0, 0.4]"
     assert params["sweep.search"] == "optuna"
     assert params["sweep.num_samples"] == 5
     assert (params["sweep.metric"], params["sweep.mode"]) == ("val/rsum", "max")
@@ -419,23 +428,23 @@ def test_params_name_the_space_and_the_settings(tmp_path):
 
 
 def test_asha_max_t_caps_the_base_epochs(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}},
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}},
                                    sweep={"asha": {"max_t": 2}}))
     assert sweep.base.train.epochs == 2
     assert sweep.epochs == 2
-    assert sweep.trial_config({"loss.margin": 0.2}).train.epochs == 2
+    assert sweep.trial_config({"loss.base.margin": 0.2}).train.epochs == 2
 
 
 def test_without_max_t_a_trial_runs_the_base_epochs(tmp_path):
     for settings in ({"scheduler": "fifo"}, {"asha": {"grace_period": 2}}):
-        sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}}, sweep=settings))
+        sweep = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.0, 0.4]}}, sweep=settings))
         assert sweep.base.train.epochs == sweep.epochs == 6
 
 
 # 15. a union of grids ------------------------------------------------------------------------------
 
-FIG5_M = [{"loss.margin": m, "loss.gamma": 60} for m in (0.0, 0.1, 0.2, 0.3, 0.4)]
-FIG5_GAMMA = [{"loss.margin": 0.2, "loss.gamma": g} for g in (20, 40, 80, 100)]  # (0.2, 60) is in FIG5_M
+FIG5_M = [{"loss.base.margin": m, "loss.base.gamma": 60} for m in (0.0, 0.1, 0.2, 0.3, 0.4)]
+FIG5_GAMMA = [{"loss.base.margin": 0.2, "loss.base.gamma": g} for g in (20, 40, 80, 100)]  # (0.2, 60) is in FIG5_M
 
 
 def union_sweep(tmp_path: Path, *grids: dict, base=None, sweep=None, overrides=None, name="union.yaml"):
@@ -447,55 +456,55 @@ def test_figure5_sweep_runs_each_point_of_its_two_grids_once():
     from pairsim.tune.sweep import total_trials
 
     sweep = load_sweep(REPO / "tune_spaces" / "unified_figure5.yaml")
-    assert sweep.union and sweep.keys == ["loss.margin", "loss.gamma"]
+    assert sweep.union and sweep.keys == ["loss.base.margin", "loss.base.gamma"]
     assert sweep.grid_points() == FIG5_M + FIG5_GAMMA  # 9, not 10: the grids share (0.2, 60)
     assert total_trials(sweep) == 9
     assert (sweep.settings.search, sweep.settings.scheduler, sweep.settings.num_samples) == ("grid", "fifo", 1)
-    assert (sweep.base.loss.base, sweep.base.model.arch) == ("unified", "pairsim-tiny")  # demo + the unified preset
+    assert (sweep.base.loss.base.name, sweep.base.model.arch) == ("unified", "pairsim-tiny")  # demo + the unified preset
     assert sweep.param_space() == {"point": {"grid_search": FIG5_M + FIG5_GAMMA}}
     for point in sweep.grid_points():
         assert sweep.point_of({"point": point}) == point
         trial = sweep.trial_config(point)
-        assert (trial.loss.base_params.margin, trial.loss.base_params.gamma) == (point["loss.margin"],
-                                                                                 point["loss.gamma"])
+        assert (trial.loss.base.margin, trial.loss.base.gamma) == (point["loss.base.margin"],
+                                                                                 point["loss.base.gamma"])
 
 
 def test_a_key_a_grid_leaves_out_keeps_the_base_value_and_shared_points_run_once(tmp_path):
-    sweep = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1, 0.3]}}, {"loss.gamma": {"grid": [20, 40]}},
-                        {"loss.gamma": {"grid": [40.0]}, "loss.margin": {"grid": [0.3]}})
+    sweep = union_sweep(tmp_path, {"loss.base.margin": {"grid": [0.1, 0.3]}}, {"loss.base.gamma": {"grid": [20, 40]}},
+                        {"loss.base.gamma": {"grid": [40.0]}, "loss.base.margin": {"grid": [0.3]}})
     # the demo's base: margin 0.1, gamma 20; (0.1, 20) is in both grids, 40 and 40.0 are one value
-    assert sweep.grid_points() == [{"loss.margin": 0.1, "loss.gamma": 20.0}, {"loss.margin": 0.3, "loss.gamma": 20.0},
-                                   {"loss.margin": 0.1, "loss.gamma": 40}, {"loss.margin": 0.3, "loss.gamma": 40.0}]
-    assert sweep.keys == ["loss.margin", "loss.gamma"]
+    assert sweep.grid_points() == [{"loss.base.margin": 0.1, "loss.base.gamma": 20.0}, {"loss.base.margin": 0.3, "loss.base.gamma": 20.0},
+                                   {"loss.base.margin": 0.1, "loss.base.gamma": 40}, {"loss.base.margin": 0.3, "loss.base.gamma": 40.0}]
+    assert sweep.keys == ["loss.base.margin", "loss.base.gamma"]
 
 
 def test_a_single_space_keeps_its_tune_config_and_digest(tmp_path):
-    space = {"loss.margin": {"grid": [0.1, 0.3]}, "loss.gamma": {"grid": [20, 40]}}
+    space = {"loss.base.margin": {"grid": [0.1, 0.3]}, "loss.base.gamma": {"grid": [20, 40]}}
     plain = load_sweep(write_sweep(tmp_path, space=space, sweep={"search": "grid"}, name="plain.yaml"))
     listed = union_sweep(tmp_path, space, name="listed.yaml")  # a list of one grid is that grid
     for sweep in (plain, listed):
         assert not sweep.union
-        assert sweep.param_space() == {"loss.margin": {"grid_search": [0.1, 0.3]},
-                                       "loss.gamma": {"grid_search": [20, 40]}}
-        assert sweep.point_of({"loss.margin": 0.3, "loss.gamma": 40}) == {"loss.margin": 0.3, "loss.gamma": 40}
+        assert sweep.param_space() == {"loss.base.margin": {"grid_search": [0.1, 0.3]},
+                                       "loss.base.gamma": {"grid_search": [20, 40]}}
+        assert sweep.point_of({"loss.base.margin": 0.3, "loss.base.gamma": 40}) == {"loss.base.margin": 0.3, "loss.base.gamma": 40}
     assert listed.digest() == plain.digest()
-    assert listed.params()["space.loss.margin"] == "grid[0.1, 0.3]"
+    assert listed.params()["space.loss.base.margin"] == "grid[0.1, 0.3]"
 
 
 def test_union_digest_and_params_name_each_grid(tmp_path):
-    grids = ({"loss.margin": {"grid": [0.1, 0.3]}}, {"loss.gamma": {"grid": [20, 40]}})
+    grids = ({"loss.base.margin": {"grid": [0.1, 0.3]}}, {"loss.base.gamma": {"grid": [20, 40]}})
     sweep = union_sweep(tmp_path, *grids, name="a.yaml")
     assert sweep.digest() == union_sweep(tmp_path, *grids, name="b.yaml").digest()
-    assert sweep.digest() != union_sweep(tmp_path, grids[0], {"loss.gamma": {"grid": [20, 60]}},
+    assert sweep.digest() != union_sweep(tmp_path, grids[0], {"loss.base.gamma": {"grid": [20, 60]}},
                                          name="c.yaml").digest()
     assert sweep.digest() != union_sweep(tmp_path, grids[1], grids[0], name="d.yaml").digest()  # another order
     params = sweep.params()
-    assert (params["space.0.loss.margin"], params["space.1.loss.gamma"]) == ("grid[0.1, 0.3]", "grid[20, 40]")
+    assert (params["space.0.loss.base.margin"], params["space.1.loss.base.gamma"]) == ("grid[0.1, 0.3]", "grid[20, 40]")
 
 
 @pytest.mark.parametrize("search", ["random", "optuna"])
 def test_other_searches_refuse_a_list_of_grids(tmp_path, search):
-    path = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [20]}},
+    path = union_sweep(tmp_path, {"loss.base.margin": {"grid": [0.1]}}, {"loss.base.gamma": {"grid": [20]}},
                        sweep={"search": search}, overrides=False)
     message = sweep_error(path)
     assert re.search(rf"list of grids, run as their union by search: grid only \(not {search}\)",
@@ -505,36 +514,36 @@ def test_other_searches_refuse_a_list_of_grids(tmp_path, search):
 
 def test_union_errors_name_the_grid_and_the_key(tmp_path):
     path = union_sweep(tmp_path, {"loss.magrin": {"grid": [0.1]}},
-                       {"loss.margin": {"grid": [0.1]}, "loss.gamma": {"grid": [20, 0.0]}},
-                       {"loss.gamma": {"uniform": [20, 40]}}, {}, {"loss.margin": {"grid": []}}, overrides=False)
+                       {"loss.base.margin": {"grid": [0.1]}, "loss.base.gamma": {"grid": [20, 0.0]}},
+                       {"loss.base.gamma": {"uniform": [20, 40]}}, {}, {"loss.base.margin": {"grid": []}}, overrides=False)
     message = sweep_error(path)
     assert "not a key of the base config" in line_of(message, "space.0.loss.magrin:")
-    assert re.search(r"value 0\.0 gives an invalid run config: .*greater than 0", line_of(message, "space.1.loss.gamma:"))
+    assert re.search(r"value 0\.0 gives an invalid run config: .*greater than 0", line_of(message, "space.1.loss.base.gamma:"))
     assert line_of(message, "sweep.search:").endswith("grid needs every space key to be a grid; not: "
-                                                      "space.2.loss.gamma")
-    assert "needs at least one key, e.g. loss.margin: {grid:" in line_of(message, "space.3:")
-    assert "grid needs at least one value" in line_of(message, "space.4.loss.margin:")
+                                                      "space.2.loss.base.gamma")
+    assert "needs at least one key, e.g. loss.base.margin: {grid:" in line_of(message, "space.3:")
+    assert "grid needs at least one value" in line_of(message, "space.4.loss.base.margin:")
     assert error_count(message) == 5, message
 
 
 def test_union_points_are_checked_grid_by_grid(tmp_path):
-    path = union_sweep(tmp_path, {"loss.temperature.init": {"grid": [0.05]}},
-                       {"loss.temperature.init": {"grid": [0.09]}, "loss.temperature.max": {"grid": [0.05, 0.1]}},
+    path = union_sweep(tmp_path, {"loss.base.temperature.init": {"grid": [0.05]}},
+                       {"loss.base.temperature.init": {"grid": [0.09]}, "loss.base.temperature.max": {"grid": [0.05, 0.1]}},
                        base=INFONCE, overrides=False)
     message = sweep_error(path)
     line = line_of(message, "space.1: the point ")
-    assert "{'loss.temperature.init': 0.09, 'loss.temperature.max': 0.05}" in line and "min <= init <= max" in line
+    assert "{'loss.base.temperature.init': 0.09, 'loss.base.temperature.max': 0.05}" in line and "min <= init <= max" in line
     assert error_count(message) == 1, message
 
 
 def test_set_changes_a_key_of_one_grid(tmp_path):
-    path = union_sweep(tmp_path, {"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [20, 40]}}, overrides=False)
-    sweep = load_sweep(path, ["space.1.loss.gamma={grid: [60]}", "space.0.loss.gamma={grid: [80]}"])
-    assert sweep.grid_points() == [{"loss.margin": 0.1, "loss.gamma": 80}, {"loss.margin": 0.1, "loss.gamma": 60}]
-    message = sweep_error(path, ["space.loss.gamma={grid: [60]}", "space.2.loss.gamma={grid: [60]}"])
+    path = union_sweep(tmp_path, {"loss.base.margin": {"grid": [0.1]}}, {"loss.base.gamma": {"grid": [20, 40]}}, overrides=False)
+    sweep = load_sweep(path, ["space.1.loss.base.gamma={grid: [60]}", "space.0.loss.base.gamma={grid: [80]}"])
+    assert sweep.grid_points() == [{"loss.base.margin": 0.1, "loss.base.gamma": 80}, {"loss.base.margin": 0.1, "loss.base.gamma": 60}]
+    message = sweep_error(path, ["space.loss.base.gamma={grid: [60]}", "space.2.loss.base.gamma={grid: [60]}"])
     assert "list of 2 grid(s); set a key of grid i (0 to 1) with space.<i>.<key>=" in line_of(
-        message, "--set space.loss.gamma:")
-    assert line_of(message, "--set space.2.loss.gamma:")
+        message, "--set space.loss.base.gamma:")
+    assert line_of(message, "--set space.2.loss.base.gamma:")
 
 
 def test_results_table_csv_and_plots_of_a_union(tmp_path):
@@ -561,8 +570,8 @@ def test_results_table_csv_and_plots_of_a_union(tmp_path):
     results.write_csv(rows, sweep, tmp_path / "results.csv")
     with open(tmp_path / "results.csv") as f:
         table = list(csv.DictReader(f))
-    assert [(float(r["loss.margin"]), float(r["loss.gamma"])) for r in table] == [
-        (p["loss.margin"], p["loss.gamma"]) for p in sweep.grid_points()[::-1]]
+    assert [(float(r["loss.base.margin"]), float(r["loss.base.gamma"])) for r in table] == [
+        (p["loss.base.margin"], p["loss.base.gamma"]) for p in sweep.grid_points()[::-1]]
     assert all((tmp_path / name).stat().st_size > 0 for name in map(Path, results.plot(rows, sweep, tmp_path)))
 
 
@@ -574,30 +583,30 @@ PB2 = PBT | {"scheduler": "pb2"}
 
 
 @pytest.mark.parametrize("space, sweep, prefix, expected", [
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"search": "optuna"}, "sweep.search:", r"use random or grid"),
-    ([{"loss.margin": {"grid": [0.1]}}, {"loss.gamma": {"grid": [40]}}], PBT | {"search": "grid"},
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PBT | {"search": "optuna"}, "sweep.search:", r"use random or grid"),
+    ([{"loss.base.margin": {"grid": [0.1]}}, {"loss.base.gamma": {"grid": [40]}}], PBT | {"search": "grid"},
      "sweep.scheduler:", r"a list of grids runs with fifo or asha"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}},
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}},
      PBT | {"pbt": {"mutations": {"train.zero_stage": {"choice": [0, 2]}}}},
      "sweep.pbt.mutations.train.zero_stage:", r"cannot change mid-run.*checkpoint"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {"loss.gamma": {"grid": [20, 40]}}}},
-     "sweep.pbt.mutations.loss.gamma:", r"grid is not a mutation; write choice"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}},
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {"loss.base.gamma": {"grid": [20, 40]}}}},
+     "sweep.pbt.mutations.loss.base.gamma:", r"grid is not a mutation; write choice"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}},
      PBT | {"pbt": {"perturbation_interval": 6, "mutations": {"optim.lr": {"uniform": [1.0e-4, 1.0e-3]}}}},
      "sweep.pbt.perturbation_interval:", r"6 epochs, but a trial runs 6: no trial would ever be perturbed"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {}}}, "sweep.pbt", r"at least one key"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pbt"}, "sweep", r"pbt: scheduler pbt needs its settings"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PBT | {"scheduler": "asha"}, "sweep", r"pbt: only for scheduler pbt"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}},
-     PBT | {"pbt": {"mutations": {"loss.margin": {"uniform": [0.0, 3.0]}}}},
-     "sweep.pbt.mutations.loss.margin:", r"high 3.0 gives an invalid run config"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": {"mutations": {"loss.gamma": {"choice": [20, 40]}}}},
-     "sweep.pbt.mutations.loss.gamma:", r"choice is not a range; PB2 proposes values inside \[low, high\]"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": PB2["pbt"] | {"resample_probability": 0.5}}, "sweep",
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PBT | {"pbt": {"mutations": {}}}, "sweep.pbt", r"at least one key"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pbt"}, "sweep", r"pbt: scheduler pbt needs its settings"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PBT | {"scheduler": "asha"}, "sweep", r"pbt: only for scheduler pbt"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}},
+     PBT | {"pbt": {"mutations": {"loss.base.margin": {"uniform": [0.0, 3.0]}}}},
+     "sweep.pbt.mutations.loss.base.margin:", r"high 3.0 gives an invalid run config"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": {"mutations": {"loss.base.gamma": {"choice": [20, 40]}}}},
+     "sweep.pbt.mutations.loss.base.gamma:", r"choice is not a range; PB2 proposes values inside \[low, high\]"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"pbt": PB2["pbt"] | {"resample_probability": 0.5}}, "sweep",
      r"pbt.resample_probability: PBT's alone"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"search": "optuna"}, "sweep.search:",
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, PB2 | {"search": "optuna"}, "sweep.search:",
      r"use random or grid with scheduler pb2"),
-    ({"loss.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pb2"}, "sweep", r"pbt: scheduler pb2 needs its settings"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"scheduler": "pb2"}, "sweep", r"pbt: scheduler pb2 needs its settings"),
 ], ids=["with-optuna", "with-a-union", "a-key-the-checkpoint-fixes", "grid-mutation", "interval-past-the-end",
         "no-mutations", "no-settings", "pbt-settings-under-asha", "mutation-out-of-range", "pb2-choice",
         "pb2-with-pbts-resampling", "pb2-with-optuna", "pb2-no-settings"])
@@ -614,17 +623,17 @@ def test_pbt_mutations_start_in_the_space_and_explore_stays_inside(tmp_path):
     sweep = load_sweep(write_sweep(tmp_path, base=INFONCE, space={"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}},
                                    sweep=PBT | {"pbt": {"mutations": {
                                        "optim.lr": {"loguniform": [1.0e-4, 1.0e-3]},
-                                       "loss.temperature.init": {"quniform": [0.02, 0.05, 0.01]},
-                                       "loss.temperature.max": {"choice": [0.05, 0.1]}}}}))
-    assert sweep.keys == ["optim.lr", "loss.temperature.init", "loss.temperature.max"]
-    assert sweep.param_space()["loss.temperature.init"].lower == 0.02
-    explored = sweep.explore({"optim.lr": 1.2e-3, "loss.temperature.init": 0.05 * 1.2, "loss.temperature.max": 0.05,
+                                       "loss.base.temperature.init": {"quniform": [0.02, 0.05, 0.01]},
+                                       "loss.base.temperature.max": {"choice": [0.05, 0.1]}}}}))
+    assert sweep.keys == ["optim.lr", "loss.base.temperature.init", "loss.base.temperature.max"]
+    assert sweep.param_space()["loss.base.temperature.init"].lower == 0.02
+    explored = sweep.explore({"optim.lr": 1.2e-3, "loss.base.temperature.init": 0.05 * 1.2, "loss.base.temperature.max": 0.05,
                               "other": "kept"})
-    assert explored == {"optim.lr": 1.0e-3, "loss.temperature.init": 0.05, "loss.temperature.max": 0.05,
+    assert explored == {"optim.lr": 1.0e-3, "loss.base.temperature.init": 0.05, "loss.base.temperature.max": 0.05,
                         "other": "kept"}
-    assert sweep.explore({"optim.lr": 0.8e-4, "loss.temperature.init": 0.03 * 0.8, "loss.temperature.max": 0.1}) == {
-        "optim.lr": 1.0e-4, "loss.temperature.init": 0.02, "loss.temperature.max": 0.1}
-    assert sweep.trial_config(sweep.point_of(explored)).loss.base_params.temperature.max == 0.05
+    assert sweep.explore({"optim.lr": 0.8e-4, "loss.base.temperature.init": 0.03 * 0.8, "loss.base.temperature.max": 0.1}) == {
+        "optim.lr": 1.0e-4, "loss.base.temperature.init": 0.02, "loss.base.temperature.max": 0.1}
+    assert sweep.trial_config(sweep.point_of(explored)).loss.base.temperature.max == 0.05
 
 
 def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
@@ -635,8 +644,8 @@ def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
 
     from pairsim.tune.schedulers import scheduler_of
 
-    mutations = {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "loss.gamma": {"randint": [10, 61]}}
-    space = {"loss.margin": {"uniform": [0.1, 0.2]}}
+    mutations = {"optim.lr": {"loguniform": [1.0e-4, 1.0e-3]}, "loss.base.gamma": {"randint": [10, 61]}}
+    space = {"loss.base.margin": {"uniform": [0.1, 0.2]}}
     pbt = scheduler_of(load_sweep(write_sweep(tmp_path, space=space, sweep=PBT | {"pbt": {
         "perturbation_interval": 1, "resample_probability": 0.5, "mutations": mutations}}), ["train.epochs=3"]))
     pb2 = scheduler_of(load_sweep(write_sweep(tmp_path, space=space, sweep=PB2 | {"pbt": {
@@ -644,7 +653,7 @@ def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
         ["train.epochs=3"]))
     assert isinstance(pbt, PopulationBasedTraining) and not isinstance(pbt, ray_pb2.PB2) and isinstance(pb2, ray_pb2.PB2)
     assert pbt._resample_probability == 0.5 and set(pbt._hyperparam_mutations) == set(mutations)
-    assert pb2._hyperparam_bounds == {"optim.lr": [1.0e-4, 1.0e-3], "loss.gamma": [10, 60]}
+    assert pb2._hyperparam_bounds == {"optim.lr": [1.0e-4, 1.0e-3], "loss.base.gamma": [10, 60]}
     assert (pb2._perturbation_interval, pb2._quantile_fraction, pb2._time_attr) == (2, 0.5, "epoch")
     assert pb2.on_trial_result(None, None, {"epoch": 3}) == TrialScheduler.CONTINUE
 
@@ -664,20 +673,20 @@ def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
     ({"metric": ["rsum", "i2i_mAP@R"], "mode": ["max"]}, "sweep.mode:", r"1 mode\(s\) for 2 metric\(s\)"),
 ], ids=["asha", "pbt", "unknown-second-metric", "twice", "wrong-mode", "modes-short"])
 def test_bad_multi_objective_setting_is_named(tmp_path, sweep, prefix, expected):
-    message = sweep_error(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    message = sweep_error(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                       sweep={"search": "optuna"} | sweep))
     assert re.search(expected, line_of(message, prefix)), message
     assert error_count(message) == 1, message
 
 
 def test_several_metrics_run_fifo_and_the_first_picks_checkpoints(tmp_path):
-    sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    sweep = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                    sweep={"metric": ["val/i2i_mAP@R", "t2i_median_rank"], "search": "optuna"}))
     assert sweep.settings.scheduler == "fifo" and sweep.settings.asha is None
     assert sweep.objectives == [("val/i2i_mAP@R", "max"), ("val/t2i_median_rank", "min")]
     assert sweep.multi_objective and sweep.base.eval.select_metric == "i2i_mAP@R"
     assert sweep.params()["sweep.metric"] == "val/i2i_mAP@R,val/t2i_median_rank"
-    single = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.1, 0.2]}},
+    single = load_sweep(write_sweep(tmp_path, space={"loss.base.margin": {"uniform": [0.1, 0.2]}},
                                     sweep={"metric": ["rsum"]}, name="one.yaml"))
     assert not single.multi_objective and single.settings.scheduler == "asha"
 
@@ -737,7 +746,7 @@ def test_a_pbt_clone_starts_its_run_directory_from_the_donors_checkpoint(tmp_pat
 
     from ray import tune
 
-    from pairsim.tune.sweep import CLONE_INFO, adopt_clone
+    from pairsim.tune.trial import CLONE_INFO, adopt_clone
     from pairsim.untrusted import UntrustedFileError
 
     def tune_checkpoint(trial_id, name="checkpoint_2026-11-25_21-00-00.000001"):

@@ -28,9 +28,9 @@ def config(mine, *extra):
 def test_val_and_test_splits_come_from_val_path(two_datasets):
     mine, other = two_datasets
     with pytest.raises(ConfigError, match=r"data.path: .*val"):  # mine has no usable val split
-        driver.check_ready(config(mine))
+        driver.plan_run(config(mine))
     cfg = config(mine, f"data.val_path={other}")
-    prepared = driver.check_ready(cfg)
+    prepared = driver.plan_run(cfg)
     assert Path(cfg.data.split_path("train")).resolve() == mine.resolve()
     assert {cfg.data.split_path(s) for s in ("val", "test")} == {cfg.data.val_path}
     from pairsim.eval import suite
@@ -39,14 +39,14 @@ def test_val_and_test_splits_come_from_val_path(two_datasets):
     assert prepared.steps_per_epoch == 64 // (8 * 2)  # train from mine
     assert prepared.data.split("val").images == 20 and prepared.data.split("train").images == 64
     with pytest.raises(ConfigError, match=r"data.val_path: .*mine: split 'val' not in manifest"):
-        driver.check_ready(config(mine, f"data.val_path={mine}"))
+        driver.plan_run(config(mine, f"data.val_path={mine}"))
 
 
 def test_a_val_split_too_small_to_rank_is_refused_before_ray_naming_it(two_datasets, tmp_path):
     mine, _ = two_datasets
     synth.generate(tmp_path / "one", num_train=4, num_val=1, num_test=0, progress=False)
     with pytest.raises(ConfigError, match=r"data.val_path: the val split of .*one has 1 images; .* at least 2"):
-        driver.check_ready(config(mine, f"data.val_path={tmp_path / 'one'}"))
+        driver.plan_run(config(mine, f"data.val_path={tmp_path / 'one'}"))
 
 
 def test_val_path_feeds_ingest_and_the_runs_datasets(two_datasets, ray_instance, tmp_path):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pairsim.train.worker import EpochPictures, ValInputs, epoch_costs
+from pairsim.train.hooks import EpochPictures, epoch_costs
+from pairsim.train.worker import ValInputs
 
 
 def test_pictures_draw_in_one_background_thread_in_order_and_close_waits_for_the_last():

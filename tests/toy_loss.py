@@ -1,24 +1,23 @@
-"""A base loss registered from outside the package, as a plugin would: a cosine-margin hinge.
+"""A third-party base loss, as a plugin package ships it: a cosine-margin hinge.
 
-A module of its own (not a test module) so that Ray workers, which have tests/ on their path,
-import it when they unpickle a config naming it — and the import registers it there too."""
+Registered by entry points (group ``pairsim.base_losses``) in
+``tests/pairsim_toy_plugin-0.1.dist-info/entry_points.txt``, which ``importlib.metadata`` finds
+wherever tests/ is on the path: the test process and the Ray workers. Nothing registers on import."""
 
 import torch
 from pydantic import Field
 
-from pairsim.config import Float, Int, Section
+from pairsim.config import BaseLossParams, Float, Int
 from pairsim.losses import BaseLoss
-from pairsim.registry import BASE_LOSSES
 
 
-@BASE_LOSSES.register("cos_hinge")
 class CosineHinge(BaseLoss):
     """Per anchor: the mean over its negatives of [s_neg − s_pos + m]_+ (a triplet loss over
     every negative rather than the hardest)."""
 
     anchors_only = True
 
-    class Params(Section):
+    class Params(BaseLossParams):
         cos_margin: Float = Field(0.3, ge=0.0, le=2.0, description="margin m of the hinge")
 
     def __init__(self, cos_margin: float = 0.3):
@@ -35,7 +34,6 @@ class CosineHinge(BaseLoss):
         return hinge.sum(1) / negatives.sum(1).clamp(min=1)
 
 
-@BASE_LOSSES.register("cos_hinge_unstable")
 class UnstableCosineHinge(CosineHinge):
     """The hinge, non-finite for margins above 1: a sweep trial whose numerics blow up."""
 
@@ -44,7 +42,6 @@ class UnstableCosineHinge(CosineHinge):
         return rows * float("nan") if self.cos_margin > 1 else rows
 
 
-@BASE_LOSSES.register("cos_hinge_nan_after")
 class CosineHingeNanAfter(CosineHinge):
     """The hinge until its ``finite_calls``-th call, non-finite from then on: a run whose
     numerics blow up part way (a fault injected at a known step)."""

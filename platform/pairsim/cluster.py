@@ -152,7 +152,7 @@ def connect(address: str | None = None, listen_on_all_interfaces: bool = False, 
     ``listen_on_all_interfaces`` (:func:`start_local_instance`). Nothing when Ray is up."""
     if ray.is_initialized():
         return
-    handler = signal.getsignal(signal.SIGTERM)  # pairsim.jobs.stop_on_signals's, when a command runs
+    handler = signal.getsignal(signal.SIGTERM)  # pairsim.signals.stop_on_signals's, when a command runs
     with workers_watchdog():
         try:
             if address or os.environ.get("RAY_ADDRESS"):

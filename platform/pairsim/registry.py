@@ -1,21 +1,9 @@
-"""Registries: the named implementations of each extension point, keyed by the name config and
-the command line use.
+"""Data formats by name (``--format``), and every extension point's table (``pairsim registry``).
 
-One :class:`Registry` per extension point, each living with its concept — base losses and
-similarity structures (:mod:`pairsim.losses.modules`), fusions (:mod:`pairsim.models.fusion`),
-teachers (:mod:`pairsim.teachers.encoders`), data formats (:mod:`pairsim.data.sources`) and
-retrieval metrics (:mod:`pairsim.eval.suite`). Validation, CLI choices, the README tables and
-the MLflow param names are read from them, never repeated.
-
-A registry is created in this module, which imports nothing of pairsim, so that the config
-(the bottom layer) can validate against it; each one names the module that registers its
-built-in entries, imported on the first lookup — the way ``importlib.metadata`` entry points
-load plugins. Code outside the package registers its own entries the same way::
-
-    from pairsim.registry import BASE_LOSSES
-
-    @BASE_LOSSES.register("my_loss")
-    class MyLoss(BaseLoss): ...
+The parts a run is assembled from — base losses, structures, teachers, fusions — are data in
+:mod:`pairsim.config.components` and built by :mod:`pairsim.build`; metric families are listed in
+:mod:`pairsim.metric_families`. Data formats are the :class:`Registry` here, filled by
+:mod:`pairsim.data.sources` on the first lookup.
 """
 
 from __future__ import annotations
@@ -79,43 +67,29 @@ class Registry(Generic[T]):
         return " ".join(doc.split("\n\n")[0].split())
 
     def parameters(self, name: str) -> str:
-        """The config keys the entry owns (its ``Params``, with their defaults, or a data format's
-        ``options``), or ``—``."""
-        entry = self[name]
-        fields = getattr(getattr(entry, "Params", None), "model_fields", {})
-        shown = [f"`{key}`" + ("" if f.is_required() or f.default_factory else f" = {f.default!r}")
-                 for key, f in fields.items()] + [f"`{key}`" for key in getattr(entry, "options", {})]
-        return ", ".join(shown) or "—"
+        """The options the entry owns (a data format's ``options``), or ``—``."""
+        return ", ".join(f"`{key}`" for key in getattr(self[name], "options", {})) or "—"
 
 
-class MetricFamilies(Registry):
-    """The registry of the evaluation suite's metric families (each a
-    :class:`pairsim.eval.suite.MetricFamily`), which also lists what they report together."""
-
-    def reported(self, ks: tuple[int, ...] | list[int], facts: Any = None) -> dict[str, str | None]:
-        """Every metric the registered families report for ``ks`` on data with ``facts`` (a
-        :class:`pairsim.eval.suite.DataFacts`; None: on some data), in registration order, each
-        with its mode: ``max``, ``min`` or None for a count no checkpoint is selected by."""
-        return {name: mode for _, family in self.items() for name, mode in family().names(tuple(ks), facts).items()}
-
-
-BASE_LOSSES: Registry = Registry("loss.base", "pairsim.losses.modules")
-STRUCTURES: Registry = Registry("loss.structure", "pairsim.losses.modules")
-FUSIONS: Registry = Registry("model.fusion", "pairsim.models.fusion")
-TEACHERS: Registry = Registry("loss.cusa.*_teacher.kind", "pairsim.teachers.encoders")
 DATA_FORMATS: Registry = Registry("--format", "pairsim.data.sources")
-METRICS: MetricFamilies = MetricFamilies("eval.select_metric", "pairsim.eval.suite")
 
-ALL = {"Base losses": BASE_LOSSES, "Similarity structures": STRUCTURES, "Fusions": FUSIONS, "Teachers": TEACHERS,
-       "Data formats": DATA_FORMATS, "Metric families": METRICS}
+
+def _table(title: str, key: str, rows: list[tuple[str, str, str]]) -> str:
+    lines = "\n".join(f"| `{name}` | {what} | {keys} |" for name, what, keys in rows)
+    return f"**{title}** (`{key}`)\n\n| name | what it is | its own keys |\n|---|---|---|\n{lines}"
 
 
 def markdown() -> str:
-    """Every registry as a Markdown table (name, what it is): the README's extension-point tables."""
-    parts = []
-    for title, registry in ALL.items():
-        rows = "\n".join(f"| `{name}` | {registry.describe(name)} | {registry.parameters(name)} |"
-                         for name in registry.names())
-        parts.append(f"**{title}** (`{registry.field}`)\n\n| name | what it is | its own keys |\n|---|---|---|\n{rows}")
-    return "\n\n".join(parts)
+    """Every extension point's built-in entries as Markdown tables (name, what it is, its own
+    keys): ``pairsim registry`` and the docs' tables."""
+    from pairsim.config.components import FAMILIES
+    from pairsim import metric_families
 
+    tables = [_table(title, family.key, [(name, family.describe(name), family.parameters(name))
+                                         for name in family.builtins]) for title, family in FAMILIES.items()]
+    tables.append(_table("Data formats", DATA_FORMATS.field, [(name, DATA_FORMATS.describe(name),
+                                                               DATA_FORMATS.parameters(name)) for name in DATA_FORMATS]))
+    tables.append(_table("Metric families", "eval.select_metric",
+                         [(name, " ".join((type(f).__doc__ or "").strip().split("\n\n")[0].split()), "—")
+                          for name, f in metric_families.FAMILIES.items()]))
+    return "\n\n".join(tables)

@@ -26,7 +26,7 @@ from conftest import (STEPS_PER_EPOCH, complete_checkpoints, e2e_overrides, star
 from pairsim import log, tracking
 from pairsim.cli import DEMO_CONFIG, main
 from pairsim.config import load_config
-from pairsim.losses import build_objective
+from pairsim.build import build_objective
 from pairsim.train import checkpoints, driver
 
 pytestmark = pytest.mark.slow
@@ -201,13 +201,13 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_last_one_and_the_run_resumes(
 def test_a_nan_loss_stops_the_run_naming_its_step_and_keeps_the_last_checkpoint(ray_instance, tiny_dataset, tmp_path):
     """A loss that turns NaN at epoch 2's 4th step: the run stops there (no further step
     trains on NaN weights), FAILED in MLflow with the step named; epoch 1's checkpoint verifies."""
-    probe = build_objective(load_config(None, ["loss.base=cos_hinge_nan_after", "loss.finite_calls=1000"]).loss)
+    probe = build_objective(load_config(None, ["loss.base=cos_hinge_nan_after", "loss.base.finite_calls=1000"]).loss)
     features = torch.nn.functional.normalize(torch.randn(8, 16), dim=1)
     probe(image=features, text=features, group_ids=torch.arange(8))
     calls_per_step = probe.structure.base.calls
     bad_step = STEPS_PER_EPOCH + 4
     args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=nan", "train.epochs=2", "data.test_split=null",
-                         "loss.base=cos_hinge_nan_after", f"loss.finite_calls={calls_per_step * (bad_step - 1)}")
+                         "loss.base=cos_hinge_nan_after", f"loss.base.finite_calls={calls_per_step * (bad_step - 1)}")
     with pytest.raises(Exception) as failed:
         driver.fit(load_config(DEMO_CONFIG, args))
     assert f"epoch 2 step {bad_step}: non-finite loss terms" in str(failed.value)

@@ -1,5 +1,5 @@
-"""The building blocks of every config model: strict numbers, locations, the section base,
-registered names and the error every bad config raises."""
+"""The building blocks of every config model: strict numbers, locations, tracking URIs, the
+section base, registered names and the error every bad config raises."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from pydantic_core import PydanticCustomError
 
 from pairsim import storage
 from pairsim.errors import InputError
-from pairsim.registry import Registry
 
 # Numbers and flags are taken as written: no bool for a number, no string for either, no float
 # for an int (an int for a float is fine: ``lr: 1``); floats must be finite (``allow_inf_nan``).
@@ -32,23 +31,47 @@ PathOrUri = Annotated[Path | str, BeforeValidator(_path_or_uri)]
 :mod:`pairsim.storage`): the scheme is checked and credentials in it are refused."""
 
 
+TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
+"""The MLflow tracking stores pairsim accepts (a driver after ``+``, as in ``postgresql+psycopg``,
+is the store's own choice). Not ``file:``: MLflow ≥ 3.13 refuses a file store, and its artifacts
+would land wherever the URI points."""
+
+
+def check_tracking_uri(uri: str) -> str:
+    """``uri`` when it names a tracking store MLflow serves (:data:`TRACKING_SCHEMES`, at most
+    2,048 characters) and carries no credentials; else ValueError (with the URI masked) naming
+    what is wrong: a tracking URI is logged, stored and printed."""
+    scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("databricks") else ""
+    if len(uri) > 2048:
+        raise ValueError(f"a tracking URI of {len(uri):,} characters (at most 2,048)")
+    if scheme.split("+", 1)[0] not in TRACKING_SCHEMES:
+        raise ValueError(f"{storage.masked(uri)[:200]}: not an MLflow tracking store; use one of "
+                         f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} (sqlite:///mlflow.db is the default)")
+    if storage.has_credentials(uri):
+        raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
+                         "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+                         "MLFLOW_TRACKING_TOKEN")
+    return uri
+
+
 class ConfigError(InputError):
     """A run configuration that cannot be used; the message lists every problem."""
 
 
 class Section(BaseModel):
-    """The base of every config section, and of the ``Params`` of registered entries (base
-    losses, structures, teachers): unknown keys refused, strict finite numbers."""
+    """The base of every config section, and of the parameters of every part (base losses,
+    structures, teachers): unknown keys refused, strict finite numbers."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-def registered(registry: Registry) -> AfterValidator:
-    """A name of ``registry``; others are refused naming the registered ones."""
+def registered(family: Any) -> AfterValidator:
+    """A name of ``family`` (a :class:`pairsim.config.components.Family`); others are refused
+    naming the registered ones."""
     def check(name: str) -> str:
-        if name not in registry:
+        if name not in family.names():
             raise PydanticCustomError("unregistered", "not a registered name (registered: {names})",
-                                      {"names": ", ".join(registry.names())})
+                                      {"names": ", ".join(family.names())})
         return name
     return AfterValidator(check)
 

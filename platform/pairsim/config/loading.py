@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from pairsim import storage
 from pairsim.config.fields import ConfigError
-from pairsim.config.params import drop_replaced_params
+from pairsim.config.components import drop_replaced_parts, upgrade
 from pairsim.config.schema import RunConfig, validate
 from pairsim.config.tree import merge, set_dotted
 
@@ -75,16 +76,26 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists."""
+def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[BaseModel] | None = None
+                    ) -> dict[str, Any]:
+    """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists.
+    With ``model`` (:class:`RunConfig`) each is :func:`~pairsim.config.components.upgrade`\ d and
+    merged, so ``loss.base=infonce`` and ``loss.base.temperature.init=0.07`` name a part and set
+    its key in either order."""
     errors = []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.margin=0.3")
+            errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.base.margin=0.3")
             continue
         try:
-            set_dotted(tree, key.strip(), _yaml_load(raw) if raw.strip() else None)
+            value = _yaml_load(raw) if raw.strip() else None
+            if model is None:
+                set_dotted(tree, key.strip(), value)
+            else:  # one layer: a part named and its keys set merge, whatever their order
+                one: dict[str, Any] = {}
+                set_dotted(one, key.strip(), value)
+                tree = merge(upgrade(tree, model), upgrade(one, model))
         except yaml.YAMLError as exc:
             errors.append(f"--set {item[:200]!r}: not valid YAML: {exc}")
         except ValueError as exc:
@@ -115,10 +126,11 @@ def read_yaml(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
 
 
 def layer(tree: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """``overlay`` (a nested config tree) laid on ``tree``: sections merge key by key; where the
-    overlay names another base loss, structure or teacher kind, the parameters earlier layers
-    gave the one it replaces are dropped."""
-    return merge(drop_replaced_params(tree, overlay, RunConfig), overlay)
+    """``overlay`` (a nested config tree) laid on ``tree`` (both :func:`~pairsim.config.components.upgrade`\ d):
+    sections merge key by key; a part the overlay names anew (``loss.base: infonce`` over
+    ``unified``) replaces the earlier one's whole subsection."""
+    overlay = upgrade(overlay, RunConfig)
+    return merge(drop_replaced_parts(upgrade(tree, RunConfig), overlay, RunConfig), overlay)
 
 
 def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -129,6 +141,6 @@ def load_config(path: str | Path | list[str | Path] | None = None, overrides: li
     """
     paths = [] if path is None else [Path(p) for p in (path if isinstance(path, list) else [path])]
     tree: dict[str, Any] = {}
-    for overlay in [read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [])]:
+    for overlay in [read_yaml(p) for p in paths] + [apply_overrides({}, overrides or [], RunConfig)]:
         tree = layer(tree, overlay)
     return validate(tree, " + ".join(str(p) for p in paths) or "defaults")

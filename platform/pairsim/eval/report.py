@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from pairsim.eval.metrics import Metrics
-from pairsim.eval.suite import GRID_KS, MODALITIES, EvalReport, SplitEmbeddings, directions, grid_metric_name
+from pairsim.metric_families import GRID_KS, MODALITIES, directions, grid_metric_name
+from pairsim.eval.suite import EvalReport, SplitEmbeddings
 
 
 def grid_heatmap(grid: dict[int, np.ndarray], path: str | Path, title: str = "") -> Path:
@@ -111,7 +112,7 @@ def log_pictures(logger, report: EvalReport, emb: SplitEmbeddings, read_rows: Ro
 
 def format_report(metrics: Metrics, ks: Sequence[int] = (1, 5, 10)) -> str:
     """The report as a table: one row per registered direction the metrics have
-    (:func:`pairsim.eval.suite.directions`), then RSUM and the modality grid's R@1."""
+    (:func:`pairsim.metric_families.directions`), then RSUM and the modality grid's R@1."""
     columns = [f"R@{k}" for k in ks] + ["mAP@R", "R-P", "median_rank"]
     lines = [f"{'direction':<14}" + "".join(f"{c:>12}" for c in columns)]
     for direction, label in directions().items():

@@ -2,30 +2,31 @@
 text→text) and the 3×3 modality grid over image, text and fused image+text items
 (:func:`evaluate_split`), with the metrics of :mod:`pairsim.eval.metrics`.
 
-Each family of metrics is a :class:`MetricFamily` registered in :data:`pairsim.registry.METRICS`:
-it names the metrics it reports for given ``ks`` and :class:`DataFacts` (with each one's
-selection mode) and computes them. :func:`metric_names` is the one list of what the suite
-reports; the config's ``eval.select_metric`` check, the driver's check against the val data and
-the report table (:func:`pairsim.eval.report.format_report`) read it.
+The metrics' names live in :mod:`pairsim.metric_families` (no torch): its :data:`FAMILIES`, the one
+list of metric families, and :func:`metric_names`, what they report. This module computes them:
+:data:`COMPUTE` holds each family's compute, keyed as :data:`FAMILIES`. The names are
+re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pairsim.metric_families import (FAMILIES, GRID_KS, MODALITIES, DataFacts, MetricFamily, Mode, directions,
+                                  grid_metric_name, metric_names, ranking_metric_names, selectable_metrics,
+                                  skipped_groups)
 from pairsim.eval.metrics import Metrics, blocked_retrieval_metrics
-from pairsim.registry import METRICS
 
-MODALITIES = ("image", "text", "fused")
-GRID_KS = (1, 5)
-Mode = Literal["max", "min"] | None  # how a metric picks the best checkpoint; None: a count, never selected
+__all__ = ["FAMILIES", "GRID_KS", "MODALITIES", "DataFacts", "MetricFamily", "Mode", "directions",
+           "grid_metric_name", "metric_names", "ranking_metric_names", "selectable_metrics", "skipped_groups",
+           "COMPUTE", "EvalReport", "SplitEmbeddings", "crossmodal_metrics", "evaluate_split", "grid_items",
+           "modality_grid", "unimodal_metrics"]
 
 
 @dataclass
@@ -80,35 +81,6 @@ class SplitEmbeddings:
         """Image ids as integers: (per image, per caption)."""
         _, inverse = np.unique(np.concatenate([self.image_ids, self.text_image_ids]).astype(str), return_inverse=True)
         return inverse[:len(self.image_ids)], inverse[len(self.image_ids):]
-
-
-@dataclass(frozen=True)
-class DataFacts:
-    """What a split holds that decides which metrics it can give: ``has_labels``, some class
-    label (≥ 0) that two images or more share (image→image: an image alone in its class has no
-    positive); ``has_multi_caption``, some image with two captions or more (text→text and the
-    modality grid)."""
-
-    has_labels: bool = True
-    has_multi_caption: bool = True
-
-    @classmethod
-    def from_columns(cls, labels: np.ndarray, captions_per_image: np.ndarray) -> DataFacts:
-        """From the images' ``label`` column and caption counts (e.g. read from the shards)."""
-        labels = np.asarray(labels)
-        return cls(has_labels=bool((np.unique(labels[labels >= 0], return_counts=True)[1] >= 2).any()),
-                   has_multi_caption=bool((np.asarray(captions_per_image) >= 2).any()))
-
-    @classmethod
-    def of(cls, emb: SplitEmbeddings) -> DataFacts:
-        ids, counts = np.unique(emb.text_image_ids.astype(str), return_counts=True)
-        captions = dict(zip(ids.tolist(), counts.tolist()))
-        return cls.from_columns(np.asarray(emb.labels, dtype=np.int64),
-                                np.array([captions.get(i, 0) for i in emb.image_ids.astype(str).tolist()]))
-
-    def describe(self) -> str:
-        return (f"{'with' if self.has_labels else 'no'} class labels, "
-                f"{'some' if self.has_multi_caption else 'no'} image with two captions or more")
 
 
 @dataclass
@@ -195,131 +167,38 @@ def modality_grid(emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[in
     return grid
 
 
-def ranking_metric_names(prefix: str, ks: Sequence[int]) -> dict[str, Mode]:
-    """The names :func:`pairsim.eval.metrics.metrics_from_query_values` reports for one ranking
-    direction, prefixed, with their modes (the lowest median rank is best)."""
-    return ({f"{prefix}_R@{k}": "max" for k in ks} | {f"{prefix}_mAP@R": "max", f"{prefix}_R-P": "max",
-            f"{prefix}_median_rank": "min", f"{prefix}_n_queries_without_positive": None})
+Compute = Callable[..., Metrics]  # (emb, fusion, ks, facts, **blocks) -> what the family's names() lists
 
 
-def grid_metric_name(query: str, key: str, k: int) -> str:
-    return f"grid_{query}2{key}_R@{k}"
+def _grid_compute(emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[int], facts: DataFacts,
+                  **blocks) -> Metrics:
+    grid = modality_grid(emb, fusion, **blocks)
+    return {grid_metric_name(q, key, k): float(values[i, j]) for k, values in grid.items()
+            for i, q in enumerate(MODALITIES) for j, key in enumerate(MODALITIES)}
 
 
-class MetricFamily:
-    """One family of the suite's metrics, a class registered in :data:`pairsim.registry.METRICS`.
-
-    ``directions``: its ranking directions, metric prefix → what a person reads (the rows of the
-    report table, in order). :meth:`names` must list exactly what :meth:`compute` reports on data
-    with those facts (:func:`evaluate_split` checks).
-    """
-
-    directions: dict[str, str] = {}
-
-    def names(self, ks: Sequence[int], facts: DataFacts | None = None) -> dict[str, Mode]:
-        """The metrics reported for ``ks`` on data with ``facts`` (None: on some data), each with
-        its mode: ``max``, ``min``, or None for a count no checkpoint is selected by."""
-        raise NotImplementedError
-
-    def compute(self, emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[int], facts: DataFacts,
-                **blocks) -> Metrics:
-        raise NotImplementedError
-
-
-@METRICS.register("crossmodal")
-class CrossModalFamily(MetricFamily):
-    """Image→text and text→image (each caption of the image a positive), and rsum.
-
-    :func:`crossmodal_metrics`."""
-
-    directions = {"i2t": "image→text", "t2i": "text→image"}
-
-    def names(self, ks, facts=None):
-        return ranking_metric_names("i2t", ks) | ranking_metric_names("t2i", ks) | {"rsum": "max"}
-
-    def compute(self, emb, fusion, ks, facts, **blocks):
-        return crossmodal_metrics(emb, ks, **blocks)
-
-
-@METRICS.register("unimodal")
-class UniModalFamily(MetricFamily):
-    """Text→text (needs images with two captions) and image→image (needs a class two images share).
-
-    :func:`unimodal_metrics`."""
-
-    directions = {"i2i": "image→image", "t2t": "text→text"}
-
-    def names(self, ks, facts=None):
-        out: dict[str, Mode] = {}
-        if facts is None or facts.has_multi_caption:
-            out |= ranking_metric_names("t2t", ks)
-        if facts is None or facts.has_labels:
-            out |= ranking_metric_names("i2i", ks)
-        return out
-
-    def compute(self, emb, fusion, ks, facts, **blocks):
-        return unimodal_metrics(emb, ks, facts, **blocks)
-
-
-@METRICS.register("grid")
-class ModalityGridFamily(MetricFamily):
-    """R@1 and R@5 of {image, text, fused} queries × keys (needs images with two captions).
-
-    :func:`modality_grid`; k in :data:`GRID_KS` whatever ``ks``."""
-
-    def names(self, ks, facts=None):
-        if facts is not None and not facts.has_multi_caption:
-            return {}
-        return {grid_metric_name(q, key, k): "max" for k in GRID_KS for q in MODALITIES for key in MODALITIES}
-
-    def compute(self, emb, fusion, ks, facts, **blocks):
-        grid = modality_grid(emb, fusion, **blocks)
-        return {grid_metric_name(q, key, k): float(values[i, j]) for k, values in grid.items()
-                for i, q in enumerate(MODALITIES) for j, key in enumerate(MODALITIES)}
-
-
-
-
-def metric_names(ks: Sequence[int], facts: DataFacts | None = None) -> dict[str, Mode]:
-    """Every metric the suite reports for ``ks`` — on data with ``facts``, or on some data when
-    None — each with its mode (``max``, ``min``, or None for a count), from the registered
-    families in order (:meth:`pairsim.registry.MetricFamilies.reported`, which the config
-    validates ``eval.select_metric`` against)."""
-    return METRICS.reported(ks, facts)
-
-
-def selectable_metrics(ks: Sequence[int], facts: DataFacts | None = None) -> dict[str, str]:
-    """The metrics of :func:`metric_names` a best checkpoint can be selected by, with their modes."""
-    return {name: mode for name, mode in metric_names(ks, facts).items() if mode is not None}
-
-
-def skipped_groups(ks: Sequence[int], facts: DataFacts) -> dict[str, str]:
-    """The metric groups (name prefix → label) that data with every fact gives and a split
-    with ``facts`` cannot: image→image without class labels, text→text and the modality grid
-    with one caption per image."""
-    given = metric_names(ks, facts)
-    labels = directions() | {"grid": "the modality grid"}
-    return {prefix: labels.get(prefix, prefix) for prefix in dict.fromkeys(
-        name.split("_", 1)[0] for name in metric_names(ks, DataFacts()) if name not in given)}
-
-
-def directions() -> dict[str, str]:
-    """Every registered ranking direction: metric prefix → label (i2t → image→text, ...)."""
-    return {prefix: label for _, family in METRICS.items() for prefix, label in family.directions.items()}
+COMPUTE: dict[str, Compute] = {
+    "crossmodal": lambda emb, fusion, ks, facts, **blocks: crossmodal_metrics(emb, ks, **blocks),
+    "unimodal": lambda emb, fusion, ks, facts, **blocks: unimodal_metrics(emb, ks, facts, **blocks),
+    "grid": _grid_compute,
+}
+"""Each family of :data:`pairsim.metric_families.FAMILIES` computed, by the same name: called as
+``(emb, fusion, ks, facts, **blocks)``, it reports exactly what the family's ``names(ks, facts)``
+lists (:func:`evaluate_split` checks)."""
 
 
 def evaluate_split(emb: SplitEmbeddings, fusion: torch.nn.Module, ks: Sequence[int] = (1, 5, 10),
                    **blocks) -> EvalReport:
-    """Every registered metric family the split's :class:`DataFacts` allow: cross-modal,
+    """Every metric family of :data:`FAMILIES` the split's :class:`DataFacts` allow: cross-modal,
     uni-modal and modality-grid retrieval, as :func:`metric_names` lists them."""
     facts = DataFacts.of(emb)
     metrics: Metrics = {}
-    for name, family_class in METRICS.items():
-        family = family_class()
+    for name, family in FAMILIES.items():
         expected = family.names(ks, facts)
         if not expected:
             continue
-        reported = family.compute(emb, fusion, ks, facts, **blocks)
+        compute = COMPUTE[name] if name in COMPUTE else family.compute  # a family added from outside computes itself
+        reported = compute(emb, fusion, ks, facts, **blocks)
         if set(reported) != set(expected):
             raise RuntimeError(f"metric family {name!r} reported {sorted(set(reported) ^ set(expected))} "
                                "against what its names() declare")

@@ -14,10 +14,9 @@ from pairsim.losses.modules import (
     Structure,
     TripletHN,
     Unified,
-    build_base,
-    build_objective,
 )
 from pairsim.losses.temperature import Temperature, temperatures
 
 __all__ = ["functional", "BaseLoss", "BatchLoss", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE", "Objective",
-           "Structure", "Temperature", "TripletHN", "Unified", "build_base", "build_objective", "temperatures"]
+           "Structure", "Temperature", "TripletHN", "Unified", "temperatures"]
+

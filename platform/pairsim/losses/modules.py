@@ -6,10 +6,8 @@ applied over a **similarity structure** (:class:`ImageTextLoss`: the B×B image�
 :class:`CUSALoss` soft-label terms: total = w·base + α·CSA + β·USA (:class:`Objective`; w = 1, or
 1/(2B) under the CUSA authors' reduction).
 
-Each base loss and structure is registered by name (:data:`pairsim.registry.BASE_LOSSES`,
-:data:`~pairsim.registry.STRUCTURES`) and declares its parameters as a ``Params`` config section,
-built with ``from_params``; :func:`build_objective` reads both from the registries, so a loss
-registered from outside the package is configured, validated and built like the built-in ones.
+Every module takes plain constructor arguments; the config's parts
+(:mod:`pairsim.config.components`) are turned into them by :mod:`pairsim.build`.
 
 Structures and CUSA are :class:`BatchLoss` modules: called with features they gather them once
 (:mod:`pairsim.losses.distributed`), L2-normalise them in float32, and score rows against the
@@ -21,26 +19,20 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
-from pairsim.config import Bool, CUSAConfig, Float, LossConfig, Section, TemperatureConfig
 from pairsim.losses import functional
 from pairsim.losses.distributed import GlobalBatch, gather_batch
 from pairsim.losses.temperature import Temperature
-from pairsim.registry import BASE_LOSSES, STRUCTURES
 
 
 # -------------------------------------------------------------------------------- base losses
 
 
 class BaseLoss(nn.Module):
-    """A pairwise loss over the rows of a similarity matrix, registered in
-    :data:`~pairsim.registry.BASE_LOSSES` under the name ``loss.base`` gives it.
+    """A pairwise loss over the rows of a similarity matrix (``loss.base``).
 
-    Subclasses set ``Params`` (a :class:`~pairsim.config.Section`: the config keys the loss
-    owns, written flat under ``loss``), ``from_params`` and ``rows(sim, targets, ignore)`` →
-    per-row losses (see :mod:`pairsim.losses.functional`); ``anchors_only``: the loss needs one
+    Subclasses set ``rows(sim, targets, ignore)`` → per-row losses (see :mod:`pairsim.losses.functional`); ``anchors_only``: the loss needs one
     anchor positive per row (margin losses) rather than a target distribution over positives.
     ``square(sim)``, the common case of one positive per row on the diagonal of a square matrix,
     both directions summed, defaults to ``rows`` over ``sim`` and ``sim.T``; a subclass may
@@ -48,13 +40,6 @@ class BaseLoss(nn.Module):
     """
 
     anchors_only = False
-
-    class Params(Section):
-        pass
-
-    @classmethod
-    def from_params(cls, params: Section) -> BaseLoss:
-        return cls(**dict(params))
 
     def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -73,7 +58,6 @@ class BaseLoss(nn.Module):
         return {}
 
 
-@BASE_LOSSES.register("infonce")
 class InfoNCE(BaseLoss):
     """InfoNCE / CLIP contrastive loss with scale 1/τ (Radford et al. 2021).
 
@@ -84,16 +68,9 @@ class InfoNCE(BaseLoss):
 
     anchors_only = False
 
-    class Params(Section):
-        temperature: TemperatureConfig = Field(default_factory=TemperatureConfig, description="τ: scale 1/τ")
-
     def __init__(self, temperature: Temperature | None = None):
         super().__init__()
         self.temperature = temperature or Temperature(0.05, 0.01, 0.1)
-
-    @classmethod
-    def from_params(cls, params: InfoNCE.Params) -> InfoNCE:
-        return cls(Temperature.from_config(params.temperature))
 
     def rows(self, sim, targets, ignore=None):
         return functional.infonce_rows(sim, 1.0 / self.temperature(), targets, ignore)
@@ -105,7 +82,6 @@ class InfoNCE(BaseLoss):
         return {"base": self.temperature()}
 
 
-@BASE_LOSSES.register("unified")
 class Unified(BaseLoss):
     """Unified loss of pair similarity optimisation (Li et al., arXiv 2209.13869), eq. (5).
 
@@ -116,19 +92,11 @@ class Unified(BaseLoss):
 
     anchors_only = True
 
-    class Params(Section):
-        margin: Float = Field(0.2, ge=0.0, le=2.0, description="margin m")
-        gamma: Float = Field(50.0, gt=0.0, le=1000.0, description="scale γ")
-
     def __init__(self, margin: float = 0.2, gamma: float = 50.0):
         super().__init__()
         if gamma <= 0 or margin < 0:
             raise ValueError(f"Unified needs gamma > 0 and margin >= 0, got gamma={gamma}, margin={margin}")
         self.margin, self.gamma = margin, gamma
-
-    @classmethod
-    def from_params(cls, params: Unified.Params) -> Unified:
-        return cls(params.margin, params.gamma)
 
     def rows(self, sim, targets, ignore=None):
         return functional.unified_rows(sim, self.margin, self.gamma, targets, ignore)
@@ -137,7 +105,6 @@ class Unified(BaseLoss):
         return f"margin={self.margin}, gamma={self.gamma}"
 
 
-@BASE_LOSSES.register("triplet_hn")
 class TripletHN(BaseLoss):
     """Triplet loss with the hardest negative in the batch (VSE++, Faghri et al., BMVC 2018).
 
@@ -147,18 +114,11 @@ class TripletHN(BaseLoss):
 
     anchors_only = True
 
-    class Params(Section):
-        margin: Float = Field(0.2, ge=0.0, le=2.0, description="margin m")
-
     def __init__(self, margin: float = 0.2):
         super().__init__()
         if margin < 0:
             raise ValueError(f"TripletHN needs margin >= 0, got {margin}")
         self.margin = margin
-
-    @classmethod
-    def from_params(cls, params: TripletHN.Params) -> TripletHN:
-        return cls(params.margin)
 
     def rows(self, sim, targets, ignore=None):
         return functional.triplet_hn_rows(sim, self.margin, targets, ignore)
@@ -208,31 +168,21 @@ def _group_positives(batch: GlobalBatch) -> torch.Tensor | None:
 
 
 class Structure(BatchLoss):
-    """A base loss applied over a similarity structure of the global batch, registered in
-    :data:`~pairsim.registry.STRUCTURES` under the name ``loss.structure`` gives it.
+    """A base loss applied over a similarity structure of the global batch (``loss.structure``).
 
-    ``inputs``: the model outputs it scores; ``Params``: the config keys it owns (written flat
-    under ``loss``); ``from_params(params, base, **dist)`` builds it.
+    ``inputs``: the model outputs it scores.
     """
 
     inputs: tuple[str, ...] = ("image", "text")
-
-    class Params(Section):
-        pass
 
     def __init__(self, base: BaseLoss, **kwargs):
         super().__init__(**kwargs)
         self.base = base
 
-    @classmethod
-    def from_params(cls, params: Section, base: BaseLoss, **kwargs) -> Structure:
-        return cls(base, **dict(params), **kwargs)
-
     def temperatures(self) -> dict[str, torch.Tensor]:
         return self.base.temperatures()
 
 
-@STRUCTURES.register("image_text")
 class ImageTextLoss(Structure):
     """A base loss over the image↔text similarity matrix, both directions summed.
 
@@ -253,7 +203,6 @@ class ImageTextLoss(Structure):
         return i2t.mean() + t2i.mean()
 
 
-@STRUCTURES.register("gcl")
 class GCLLoss(Structure):
     """Generalized Contrastive Learning (Lee et al., NeurIPS 2025, arXiv 2509.25638).
 
@@ -267,16 +216,9 @@ class GCLLoss(Structure):
 
     MODALITIES = inputs = ("image", "text", "fused")
 
-    class Params(Section):
-        gcl_mask_self: Bool = Field(True, description="leave each query's own embedding out of its keys")
-
     def __init__(self, base: BaseLoss, mask_self: bool = True, **kwargs):
         super().__init__(base, **kwargs)
         self.mask_self = mask_self
-
-    @classmethod
-    def from_params(cls, params: GCLLoss.Params, base: BaseLoss, **kwargs) -> GCLLoss:
-        return cls(base, params.gcl_mask_self, **kwargs)
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
         names = [m for m in self.MODALITIES if m in batch.columns]
@@ -310,11 +252,6 @@ class CUSALoss(BatchLoss):
         self.image_temperature = image_temperature or Temperature(0.45, 0.1, 1.0)
         self.text_temperature = text_temperature or Temperature(0.45, 0.1, 1.0)
         self.teacher_temperature = teacher_temperature
-
-    @classmethod
-    def from_config(cls, cfg: CUSAConfig, **kwargs) -> CUSALoss:
-        return cls(Temperature.from_config(cfg.cross_temperature), Temperature.from_config(cfg.image_temperature),
-                   Temperature.from_config(cfg.text_temperature), cfg.teacher_temperature, **kwargs)
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, f"{name}_temperature")() for name in ("cross", "image", "text")}
@@ -387,18 +324,3 @@ class Objective(BatchLoss):
         if self.cusa is not None:
             temps |= self.cusa.temperatures()
         return {f"temperature/{k}": v.detach() for k, v in temps.items()}
-
-
-def build_base(cfg: LossConfig) -> BaseLoss:
-    """The base loss ``cfg.base`` names, from its params."""
-    return BASE_LOSSES[cfg.base].from_params(cfg.base_params)
-
-
-def build_objective(cfg: LossConfig, rank: int = 0, world_size: int = 1) -> Objective:
-    """The objective a :class:`~pairsim.config.LossConfig` describes."""
-    dist = {"local_loss": cfg.local_loss, "rank": rank, "world_size": world_size}
-    structure = STRUCTURES[cfg.structure].from_params(cfg.structure_params, build_base(cfg), **dist)
-    if cfg.cusa is None:
-        return Objective(structure, **dist)
-    return Objective(structure, CUSALoss.from_config(cfg.cusa, **dist), cfg.cusa.alpha, cfg.cusa.beta,
-                     cfg.cusa.reduction, **dist)

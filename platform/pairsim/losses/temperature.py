@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from pairsim.config import TemperatureConfig
 from pairsim.losses.functional import fp32
 
 _LIVE: weakref.WeakSet[Temperature] = weakref.WeakSet()
@@ -45,10 +44,6 @@ class Temperature(nn.Module):
         self.init, self.min, self.max = init, min, max
         self.value = nn.Parameter(torch.tensor([float(init)]), requires_grad=learnable)
         _LIVE.add(self)
-
-    @classmethod
-    def from_config(cls, cfg: TemperatureConfig) -> Temperature:
-        return cls(cfg.init, cfg.min, cfg.max, cfg.learnable)
 
     def forward(self) -> torch.Tensor:
         value = fp32(self.value)

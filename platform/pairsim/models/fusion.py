@@ -1,8 +1,8 @@
 """Fusion modules: the fused image+text embedding GCL scores (``model.fusion``).
 
 Each maps the model's image and text outputs [B, d], before the losses' and the evaluation's
-L2 normalisation, to a fused [B, d], and is registered in :data:`pairsim.registry.FUSIONS`
-under the name config uses. A model with a native fused encoder (VISTA-like) registers its own.
+L2 normalisation, to a fused [B, d]. :data:`BUILT_IN` maps the names of
+:data:`pairsim.config.components.FUSIONS` (``model.fusion``) to them.
 
 The outputs are each tower's un-normalised output (open_clip's ``encode_image`` /
 ``encode_text``), or the cross-modal heads on its normalised output when
@@ -14,10 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pairsim.registry import FUSIONS
 
-
-@FUSIONS.register("raw_sum")
 class RawSumFusion(torch.nn.Module):
     """UniIR's CLIP-SF score fusion as its code computes it (Wei et al., ECCV 2024), which GCL
     (Lee et al., NeurIPS 2025) uses for dual encoders: normalize(image + text) of the
@@ -27,10 +24,12 @@ class RawSumFusion(torch.nn.Module):
         return F.normalize(image + text, dim=-1)
 
 
-@FUSIONS.register("normalized_sum")
 class NormalizedSumFusion(torch.nn.Module):
     """normalize(normalize(image) + normalize(text)): both modalities weigh the same whatever
     their norms (pairsim's default)."""
 
     def forward(self, image: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return F.normalize(F.normalize(image, dim=-1) + F.normalize(text, dim=-1), dim=-1)
+
+
+BUILT_IN: dict[str, type[torch.nn.Module]] = {"raw_sum": RawSumFusion, "normalized_sum": NormalizedSumFusion}

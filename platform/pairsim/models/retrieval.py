@@ -21,10 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from pairsim import outputs, untrusted
-from pairsim.config import ModelConfig
-from pairsim.models import clip, saved
+from pairsim.config import FUSIONS, ModelConfig
+from pairsim.models import clip, fusion, saved
 from pairsim.models.saved import ExportChecksums, ModelCard, UnsafeCheckpointError
-from pairsim.registry import FUSIONS
 
 
 def projection_head(dim: int) -> torch.nn.Sequential:
@@ -62,7 +61,7 @@ class RetrievalModel(torch.nn.Module):
         for name in clip.SCALAR_PARAMS:
             if isinstance(getattr(open_clip_model, name, None), torch.nn.Parameter):
                 getattr(open_clip_model, name).requires_grad_(False)
-        self.fusion = FUSIONS[fusion]() if fusion else None
+        self.fusion = fusion_by_name(fusion) if fusion else None
         self.cross_heads = torch.nn.ModuleDict(
             {"image": projection_head(dim), "text": projection_head(dim)}) if crossmodal_heads else None
         self.unimodal_heads = torch.nn.ModuleDict(
@@ -222,4 +221,13 @@ def load_exported(weights: str | Path) -> tuple[RetrievalModel, ModelCard]:
 
 def fusion_module(model: RetrievalModel, cfg: ModelConfig) -> torch.nn.Module:
     """The model's own fusion module, else the configured one (the evaluation's image+text items)."""
-    return model.fusion if model.fusion is not None else FUSIONS[cfg.fusion]()
+    return model.fusion if model.fusion is not None else fusion_by_name(cfg.fusion)
+
+
+def fusion_by_name(name: str) -> torch.nn.Module:
+    """The fusion ``model.fusion`` names: built in (:data:`pairsim.models.fusion.BUILT_IN`) or a plugin's."""
+    if name in fusion.BUILT_IN:
+        return fusion.BUILT_IN[name]()
+    if name not in FUSIONS.names():
+        raise KeyError(f"model.fusion: unknown {name!r} (registered: {', '.join(FUSIONS.names())})")
+    return FUSIONS.plugin(name)()

@@ -23,7 +23,7 @@ from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.log import get_logger
 from pairsim.storage import Location
-from pairsim.teachers.encoders import Teacher, build_teachers
+from pairsim.teachers.encoders import Teacher
 
 log = get_logger("teachers")
 STORE_MANIFEST = "teacher_manifest.json"
@@ -54,17 +54,6 @@ def claim_output(out: Path) -> Path:
     return Path(out)
 
 
-def teacher_sources(cfg: RunConfig) -> tuple[dict[str, Teacher], TeacherStore | None]:
-    """Where a run's CUSA teacher embeddings come from: the live teachers by modality, or the
-    features extracted to ``loss.cusa.teacher_features``; ({}, None) without CUSA."""
-    cusa = cfg.loss.cusa
-    if cusa is None:
-        return {}, None
-    if cusa.teacher_features:
-        return {}, TeacherStore(cusa.teacher_features)
-    return build_teachers(cfg), None
-
-
 def _store_file(store: Path, shard_path: str) -> Path:
     shard = Path(shard_path)
     return Path(store) / shard.parent.name / shard.name
@@ -84,7 +73,8 @@ class TeacherStore:
                               "(make it with pipelines/extract_teacher.py)")
         return untrusted.read_model(path, StoreManifest, MAX_STORE_MANIFEST_BYTES, StoreError)
 
-    def check(self, cfg: RunConfig) -> None:
+    def check(self, cfg: RunConfig, teachers: dict[str, Teacher]) -> None:
+        """The features fit ``cfg``'s data and were made by ``teachers`` (the run's, by modality)."""
         manifest = self.manifest()
         data_hash = shards.read_manifest(cfg.data.path).content_hash
         if manifest.data_content_hash != data_hash:
@@ -93,7 +83,7 @@ class TeacherStore:
         missing = [s for s in (cfg.data.train_split,) if s not in manifest.splits]
         if missing:
             raise ConfigError(f"loss.cusa.teacher_features: {self.root} has no features for split(s) {missing}")
-        for m, teacher in build_teachers(cfg).items():
+        for m, teacher in teachers.items():
             if teacher.identity() != manifest.teachers.get(m):
                 raise ConfigError(f"loss.cusa.{m}_teacher: {teacher.identity()} differs from the teacher the "
                                   f"features in {self.root} came from: {manifest.teachers.get(m)}")
@@ -151,9 +141,9 @@ class _EmbedShardRows:
                 "image": image_col, "captions": caption_col}
 
 
-def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 64, concurrency: int = 1,
-            progress: bool = True) -> Path:
-    """Embed every image and caption of ``splits`` with the run's teachers (Ray Data batch
+def extract(cfg: RunConfig, teachers: dict[str, Teacher], out: Path, splits: Sequence[str], batch_size: int = 64,
+            concurrency: int = 1, progress: bool = True) -> Path:
+    """Embed every image and caption of ``splits`` with ``teachers``, the run's (Ray Data batch
     inference on ``concurrency`` actors) and write a :class:`TeacherStore` at ``out``
     (:func:`claim_output`'s)."""
     import ray
@@ -163,7 +153,6 @@ def extract(cfg: RunConfig, out: Path, splits: Sequence[str], batch_size: int = 
     if cusa is None or cusa.image_teacher is None or cusa.text_teacher is None:
         raise ConfigError("loss.cusa: extraction needs loss.cusa with an image_teacher and a text_teacher")
     out = claim_output(out)
-    teachers = build_teachers(cfg)
     manifest = shards.read_manifest(cfg.data.path)
     (out / STARTED).touch()
     skipped: dict[str, str] = {}

@@ -251,7 +251,7 @@ class Outcome:
 def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
     """Ends ``run_id`` when the block exits: FINISHED if it set ``succeeded``; KILLED, tagged
     ``pairsim.stopped_by``, when a ``KeyboardInterrupt`` stopped it (Ctrl-C, or
-    :class:`pairsim.jobs.JobStopped` on SIGTERM), which propagates; FAILED otherwise, tagged
+    :class:`pairsim.signals.JobStopped` on SIGTERM), which propagates; FAILED otherwise, tagged
     ``pairsim.error`` with the exception. Child runs still RUNNING (a sweep's trials) end with
     a KILLED or FAILED parent, as KILLED: none of them goes on without it."""
     outcome, status, tags = Outcome(), "FAILED", {}

@@ -18,8 +18,9 @@ autograd. The towers' forward must be a function of their inputs and the RNG sta
 replayed; BatchNorm statistics are updated twice).
 
 The engine is a DeepSpeed engine over :class:`~pairsim.train.engine.TrainingModule` (or anything
-with its ``__call__``, ``backward(loss, scale_wrt_gas)`` and ``step()``): each micro-batch's
-backward is followed by ``engine.step()``, which steps the optimizer at the K-th.
+with its ``__call__``, ``backward(loss, scale_wrt_gas)`` and ``step()``): features come from
+``engine(image=..., text=...)``, loss terms from ``engine(method="loss", ...)``, and each
+micro-batch's backward is followed by ``engine.step()``, which steps the optimizer at the K-th.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def train_step(engine, micro_batches: list[MicroBatch], cache_features: bool = T
         return _cached_features_step(engine, micro_batches)
     outputs = []
     for batch in micro_batches:
-        out = engine(**batch)
+        out = engine(method="loss", **batch)
         engine.backward(out["loss"])
         engine.step()
         outputs.append({k: v.detach() for k, v in out.items()})
@@ -75,7 +76,7 @@ def _cached_features_step(engine, micro_batches: list[MicroBatch]) -> dict[str, 
             cached.append(engine(**{k: batch[k] for k in MODEL_INPUTS}))
     leaves = {k: torch.cat([c[k] for c in cached]).requires_grad_() for k in cached[0]}
     targets = {k: torch.cat([b[k] for b in micro_batches]) for k in first if k not in MODEL_INPUTS}
-    out = engine(**{k: first[k] for k in MODEL_INPUTS}, cached_features=leaves, **targets)
+    out = engine(method="loss", **{k: first[k] for k in MODEL_INPUTS}, cached_features=leaves, **targets)
     engine.backward(out["loss"], scale_wrt_gas=False)
     engine.step()
     offset = 0

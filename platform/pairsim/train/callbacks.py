@@ -13,8 +13,11 @@ from ray.train import UserCallback
 
 
 class TrialReporter(UserCallback):
-    """Each epoch's rank-0 report and its checkpoint's path, handed to a sweep trial's function
-    through ``queue`` (one at a time: the run waits for Tune to take it)."""
+    """A PBT or PB2 trial's bridge to Tune (:func:`pairsim.tune.trial.fit_reporting_checkpoints`):
+    each epoch's rank-0 report and its checkpoint's path, handed to the trial function through
+    ``queue`` (one at a time: the run waits for Tune to take it), which reports the checkpoint as
+    the trial's Tune checkpoint. Ray's ``TuneReportCallback``, which FIFO and ASHA trials use,
+    passes on only the checkpoint's path, and PBT clones a trial's Tune checkpoint."""
 
     def __init__(self, queue):
         self.queue = queue

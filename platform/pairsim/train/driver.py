@@ -1,13 +1,16 @@
-"""The driver of a training job: config → checks → Ray → ``TorchTrainer`` → result.
+"""The driver of a training job: plan → launch → finalize (:func:`fit`).
 
-:func:`fit` checks data, model and teachers before the cluster is touched, starts or joins Ray,
-opens the MLflow run (with the datasets it reads), builds the lazy Ray Data pipelines and
-launches the workers (:func:`pairsim.train.worker.train_loop_per_worker`); at the end it exports
-the best checkpoint and evaluates it once on the test split.
+:func:`plan_run` checks data, model and teachers before the cluster is touched and returns what it
+read; :func:`launch` starts or joins Ray, opens the MLflow run (with the datasets it reads),
+builds the lazy Ray Data pipelines and runs the workers
+(:func:`pairsim.train.recipe.train_loop_per_worker`); :func:`export_and_test` exports the best
+checkpoint and evaluates it once on the test split. What differs for a sweep's trial is data: its
+:class:`RunRole`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import pickle
@@ -20,20 +23,19 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig
+from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
-from pairsim import cluster, jobs, locks, log, storage, tracking
+from pairsim import build, cluster, locks, log, signals, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.data.shard_reader import checksum_failure
 from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
-from pairsim.teachers import encoders as teachers
-from pairsim.teachers.store import TeacherStore, teacher_sources
+from pairsim.teachers.store import TeacherStore
 from pairsim.train import checkpoints, engine
-from pairsim.train.callbacks import TrialReporter
-from pairsim.train.worker import StartupClock, WorkerJob, selection_metric, train_loop_per_worker
+from pairsim.train.recipe import train_loop_per_worker
+from pairsim.train.worker import StartupClock, WorkerJob, selection_metric
 
 logger = log.get_logger("train")
 
@@ -73,7 +75,7 @@ def ray_storage(cfg: RunConfig) -> dict[str, Any]:
     return {"storage_path": location.path, "storage_filesystem": None if location.is_local else location.fs}
 
 
-def finish(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_dir: storage.Location, run_id: str,
+def export_and_test(cfg: RunConfig, data: shards.RunData, result: ray.train.Result, run_dir: storage.Location, run_id: str,
            tracking_uri: str, roles: cluster.NodeRoles) -> tuple[str, dict[str, float]]:
     """Export the best checkpoint in ``run_dir`` (by ``eval.select_metric`` on val,
     :func:`checkpoints.best_checkpoint`) into the MLflow run's ``model/`` and evaluate it once
@@ -127,8 +129,8 @@ MIN_SPLIT_IMAGES = 2  # a query ranks at least one candidate against another
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """What :func:`check_ready` read and derived, handed down to the run rather than read again:
+class RunPlan:
+    """What :func:`plan_run` read and derived, handed down to the run rather than read again:
     the data's manifests, what the val split (and the test split, when the data has one) holds,
     steps per epoch and the DeepSpeed config."""
 
@@ -138,7 +140,7 @@ class Prepared:
     deepspeed_config: dict[str, Any]
 
 
-def check_ready(cfg: RunConfig) -> Prepared:
+def plan_run(cfg: RunConfig) -> RunPlan:
     """Everything that can be checked before the cluster is touched, and what it read. Local
     paths are checked as they are: :func:`fit` makes them absolute against the working
     directory first."""
@@ -168,9 +170,9 @@ def check_ready(cfg: RunConfig) -> Prepared:
     if cfg.eval.select_metric not in given:
         raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.split_path(cfg.data.val_split)} ({facts.describe()}) "
                           f"gives no {cfg.eval.select_metric!r}; it gives {', '.join(given)}")
-    teachers.check_teachers(cfg)
+    build.check_teachers(cfg)
     if cfg.loss.cusa and cfg.loss.cusa.teacher_features:
-        TeacherStore(cfg.loss.cusa.teacher_features).check(cfg)
+        TeacherStore(cfg.loss.cusa.teacher_features).check(cfg, build.build_teachers(cfg))
     if cfg.data.max_cpus is not None and cfg.data.max_cpus < cfg.data.cpus_per_task:
         raise ConfigError(f"data.max_cpus: {cfg.data.max_cpus} is less than one task's data.cpus_per_task "
                           f"({cfg.data.cpus_per_task}): ingest could never run")
@@ -185,49 +187,61 @@ def check_ready(cfg: RunConfig) -> Prepared:
     evaluated = {cfg.data.val_split: facts}
     if data.has(cfg.data.test_split) and cfg.data.test_split not in evaluated:
         evaluated[cfg.data.test_split] = split_facts(data, cfg.data.test_split)
-    return Prepared(data, evaluated, per_epoch, ds_config)
+    return RunPlan(data, evaluated, per_epoch, ds_config)
 
 
 @dataclass(frozen=True)
-class SweepTrial:
-    """What makes a run one trial of a Ray Tune sweep (:mod:`pairsim.tune`): its per-epoch
-    metrics and checkpoints go to the trial function (:class:`TrialReporter` into ``reports``),
-    which reports them to Tune; its MLflow run is a child of the sweep's run (``tags``) and logs
-    the ``logged_params`` keys each epoch as ``hparam/<key>`` (a PBT trial's schedule);
+class RunRole:
+    """How a run differs by what started it, as data: a standalone run (:data:`STANDALONE`) holds
+    its name, and exports and tests its best checkpoint at the end; a sweep trial
+    (:meth:`sweep_trial`) does neither (the sweep holds its name and its ``best.yaml`` reproduces
+    the trial that wins), reports each epoch to Tune through its Ray Train ``callbacks``, is a child
+    of the sweep's MLflow run (``parent_run_id``, ``tags``) and retries its worker-group start-up
+    ``startup_retries`` times (a trial that cannot get its workers fails instead of holding the
+    sweep). ``logged_params``: keys logged each epoch as ``hparam/<key>`` (a PBT trial's schedule);
     ``reset_temperatures`` sets every τ to its configured init after the checkpoint is loaded (a
-    PBT clone whose τ init was mutated). Worker-group start-up is retried a bounded number of
-    times (a trial that cannot get its workers fails instead of holding the sweep), and nothing
-    is exported or tested: the sweep's ``best.yaml`` reproduces the trial that wins."""
+    PBT clone whose τ init was mutated)."""
 
-    parent_run_id: str
-    tags: dict[str, str]
-    reports: Any  # a ray.util.queue.Queue the trial function reads
+    holds_name: bool = True
+    tested: bool = True
+    parent_run_id: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    callbacks: tuple[UserCallback, ...] = ()
+    startup_retries: int = -1  # Ray's default: no limit
     logged_params: tuple[str, ...] = ()
     reset_temperatures: bool = False
 
+    @classmethod
+    def sweep_trial(cls, parent_run_id: str, tags: dict[str, str], callbacks: tuple[UserCallback, ...],
+                    logged_params: tuple[str, ...] = (), reset_temperatures: bool = False) -> RunRole:
+        return cls(holds_name=False, tested=False, parent_run_id=parent_run_id, tags=tags, callbacks=callbacks,
+                   startup_retries=STARTUP_RETRIES, logged_params=logged_params,
+                   reset_temperatures=reset_temperatures)
 
+
+STANDALONE = RunRole()
 RUN_LOCK = "pairsim-run.lock"  # in the run's directory while it lives (pairsim.locks)
 STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
 
 
-def fit(cfg: RunConfig, trial: SweepTrial | None = None, resume: bool = False) -> TrainResult:
-    """Train, export and test one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
+def fit(cfg: RunConfig, role: RunRole = STANDALONE, resume: bool = False) -> TrainResult:
+    """Plan, launch and finalize one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
     ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
-    :func:`pairsim.jobs.stop_on_signals`) stops it, leaving the last epoch's checkpoint to resume from.
+    :func:`pairsim.signals.stop_on_signals`) stops it, leaving the last epoch's checkpoint to resume from.
 
-    The run holds its name while it lives (:data:`RUN_LOCK` in its directory): a second run under
-    a live run's ``ray.run_name`` is refused after the checks, before Ray starts
+    A standalone run holds its name while it lives (:data:`RUN_LOCK` in its directory): a second
+    run under a live run's ``ray.run_name`` is refused after the checks, before Ray starts
     (:class:`pairsim.locks.NameInUse`). A stopped or failed run's name resumes it; a finished
     run's only with ``resume`` (:func:`check_resume`)."""
     clock = StartupClock()
     cfg = cfg.with_absolute_paths()
-    prepared = check_ready(cfg)
+    plan = plan_run(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
-    if trial is not None:  # the sweep holds its name; its trials' names are its own
-        return _train_and_test(cfg, prepared, run_name, clock, trial)
-    with locks.hold(storage.Location.of(cfg.ray.storage_path) / run_name / RUN_LOCK, f"ray.run_name {run_name!r}"):
-        check_resume(cfg, run_name, resume)
-        return _train_and_test(cfg, prepared, run_name, clock)
+    lock = storage.Location.of(cfg.ray.storage_path) / run_name / RUN_LOCK
+    with locks.hold(lock, f"ray.run_name {run_name!r}") if role.holds_name else contextlib.nullcontext():
+        if role.holds_name:
+            check_resume(cfg, run_name, resume)
+        return launch(cfg, plan, run_name, clock, role)
 
 
 def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
@@ -252,34 +266,31 @@ def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
                 {"FINISHED": "finished", "RUNNING": "ended without a word (killed?)"}.get(status, status.lower()))
 
 
-def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: StartupClock,
-                    trial: SweepTrial | None = None) -> TrainResult:
+def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, role: RunRole) -> TrainResult:
+    """Start or join Ray, open the MLflow run, build the Ray Data pipelines and run the workers'
+    :class:`~pairsim.train.recipe.Recipe` under a ``TorchTrainer``; then :func:`export_and_test`
+    when the run is ``role.tested``."""
     clock.lap("checks")
-    per_epoch, ds_config = prepared.steps_per_epoch, prepared.deepspeed_config
+    per_epoch, ds_config = plan.steps_per_epoch, plan.deepspeed_config
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
     cluster.init_ray(cfg)
     roles = cluster.node_roles(cfg.ray.node_roles)
     cluster.check_cpu_budget(cfg, roles)
     clock.lap("ray")
-    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=trial and trial.parent_run_id,
-                               tags=skipped_metrics_tag(cfg, prepared.facts) | (trial.tags if trial else {}))
-    tracking.log_datasets(tracking_uri, run_id, prepared.data, test=trial is None)  # trials are not tested
+    run_id = tracking.open_run(cfg, run_name, cfg.to_yaml(), ds_config, parent_run_id=role.parent_run_id,
+                               tags=skipped_metrics_tag(cfg, plan.facts) | role.tags)
+    tracking.log_datasets(tracking_uri, run_id, plan.data, test=role.tested)
     clock.lap("mlflow")
 
     ledger_name = f"pairsim-skips-{run_name}"
     ledger = ingest.skip_ledger(ledger_name)
     datasets = {
-        "train": ingest.train_dataset(cfg, ledger_name, *teacher_sources(cfg), data=prepared.data),
-        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, prepared.data),
-        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, ledger_name, prepared.data),
+        "train": ingest.train_dataset(cfg, ledger_name, *build.teacher_sources(cfg), data=plan.data),
+        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, plan.data),
+        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, ledger_name, plan.data),
     }
     worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
                                                              if cfg.train.use_gpu else {})
-    failure_config = FailureConfig(max_failures=cfg.ray.max_failures)
-    callbacks = []
-    if trial:
-        failure_config = FailureConfig(max_failures=cfg.ray.max_failures, controller_failure_limit=STARTUP_RETRIES)
-        callbacks = [TrialReporter(trial.reports)]
     run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
     clock.lap("datasets")
@@ -291,34 +302,36 @@ def _train_and_test(cfg: RunConfig, prepared: Prepared, run_name: str, clock: St
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
                                             startup=clock, run_dir=run_dir.uri,
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
-                                                           for key in (trial.logged_params if trial else ())},
-                                            reset_temperatures=bool(trial and trial.reset_temperatures),
-                                            train_images=prepared.data.split(cfg.data.train_split).images))},
+                                                           for key in role.logged_params},
+                                            reset_temperatures=role.reset_temperatures,
+                                            train_images=plan.data.split(cfg.data.train_split).images))},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(
             name=run_name, **ray_storage(cfg),
             checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
                                                checkpoint_score_order=cfg.eval.select_mode),
-            failure_config=failure_config, callbacks=callbacks),
+            failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
+                                         controller_failure_limit=role.startup_retries),
+            callbacks=list(role.callbacks)),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"],
                                   execution_options={name: ingest.execution_options(cfg, roles.data, ordered=name == "train")
                                                      for name in datasets}),
     )
     best_path, test_metrics = None, {}
-    with tracking.ending_run(tracking_uri, run_id) as outcome, jobs.stop_on_signals():
+    with tracking.ending_run(tracking_uri, run_id) as outcome, signals.stop_on_signals():
         try:
             try:
                 result = trainer.fit()
             except SystemExit as exc:  # fit's own Ctrl-C handler aborted the run, then Ray's wait exits
-                raise jobs.JobStopped.by(signal.SIGINT) from exc
+                raise signals.JobStopped.by(signal.SIGINT) from exc
             except ray.train.TrainingFailedError as exc:  # a shard that fails its check is reported as itself
                 if (bad_shard := checksum_failure(exc)) is not None:
                     raise bad_shard from None
                 raise
-            if trial is None:
-                best_path, test_metrics = finish(cfg, prepared.data, result, run_dir, run_id, tracking_uri, roles)
+            if role.tested:
+                best_path, test_metrics = export_and_test(cfg, plan.data, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True
         finally:
             ray.kill(ledger)

@@ -22,7 +22,8 @@ import torch
 
 from pairsim import dist, log
 from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, merge
-from pairsim.losses import Objective, build_objective, temperatures
+from pairsim.build import build_objective
+from pairsim.losses import Objective, temperatures
 from pairsim.models import clip, retrieval
 from pairsim.models.retrieval import RetrievalModel
 from pairsim.train import checkpoints
@@ -37,22 +38,39 @@ class TrainingModule(torch.nn.Module):
     """What the DeepSpeed engine wraps: the retrieval model and the objective, whose learnable
     temperatures train (and are partitioned by ZeRO) with the model.
 
-    ``forward(image, text)`` returns the model's embeddings; given the batch's ``group_ids``
-    (and teacher embeddings for CUSA) it returns the objective's loss terms instead, over the
-    embeddings followed by ``cached_features`` when given (the other micro-batches of a
-    gradient-cache step, :mod:`pairsim.train.accumulation`).
+    :meth:`embed` gives the model's embeddings, :meth:`loss` the objective's loss terms. Call
+    them through the engine, ``engine(image=..., text=...)`` and ``engine(method="loss", ...)``
+    (:meth:`forward` runs the one ``method`` names), so that they run under the engine's autocast,
+    ZeRO-3 parameter gathering and gradient-accumulation scaling.
     """
 
     def __init__(self, model: RetrievalModel, objective: Objective):
         super().__init__()
         self.model, self.objective = model, objective
 
-    def forward(self, image=None, text=None, cached_features: dict[str, torch.Tensor] | None = None,
-                **batch) -> dict[str, torch.Tensor]:
-        features = self.model(image=image, text=text)
+    def embed(self, image=None, text=None) -> dict[str, torch.Tensor]:
+        """The model's embeddings of ``image`` and/or ``text`` (``image``, ``text`` and what else
+        the model was built with: ``fused``, uni-modal heads)."""
+        return self.model(image=image, text=text)
+
+    def loss(self, image, text, group_ids, cached_features: dict[str, torch.Tensor] | None = None,
+             **teachers) -> dict[str, torch.Tensor]:
+        """The objective's loss terms (``loss`` and its parts) over the batch's embeddings,
+        followed by ``cached_features`` when given (the other micro-batches of a gradient-cache
+        step, :mod:`pairsim.train.accumulation`); ``group_ids`` (and ``teachers``, the rows'
+        ``teacher_image`` / ``teacher_text`` for CUSA) cover those rows too."""
+        features = self.embed(image, text)
         if cached_features is not None:
             features = {k: torch.cat([v, cached_features[k]]) for k, v in features.items()}
-        return self.objective(**features, **batch) if batch else features
+        return self.objective(**features, group_ids=group_ids, **teachers)
+
+    def forward(self, method: str = "embed", **inputs) -> dict[str, torch.Tensor]:
+        """What the engine calls: :meth:`embed` or, with ``method="loss"``, :meth:`loss`."""
+        if method == "embed":
+            return self.embed(**inputs)
+        if method == "loss":
+            return self.loss(**inputs)
+        raise ValueError(f"TrainingModule: no method {method!r} (embed, loss)")
 
 
 def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -> dict[str, Any]:
@@ -186,16 +204,17 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[s
     return [group for group in groups if group["params"]]
 
 
-def create_engine(cfg: RunConfig, ds_config: dict[str, Any]):
-    """The DeepSpeed engine over the run's objective and the model with what the objective
-    reads (fused embeddings, uni-modal heads), its weights seeded by ``train.seed`` or loaded
-    from ``model.init_from``."""
+def create_engine(cfg: RunConfig, ds_config: dict[str, Any], objective: Objective | None = None):
+    """The DeepSpeed engine over ``objective`` (the run's ``loss`` built for this rank when not
+    given) and the model with what the objective reads (fused embeddings, uni-modal heads), its
+    weights seeded by ``train.seed`` or loaded from ``model.init_from``."""
     import deepspeed  # imported in the worker only (ray #50406)
 
     if cfg.optim.impl == "deepspeed":
         prepare_deepspeed_ops()
     import_muon_lazily()
-    objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
+    if objective is None:
+        objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
     torch.manual_seed(cfg.train.seed)
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs,
                                              unimodal_heads="image_unimodal" in objective.needs)

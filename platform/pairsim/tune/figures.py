@@ -81,7 +81,7 @@ class Panel:
 @dataclass(frozen=True)
 class Figure:
     """``name`` names its files (``<name>.png``, ``<name>.json``); ``symbols`` the swept keys in
-    the picture (``{"loss.margin": "m"}``)."""
+    the picture (``{"loss.base.margin": "m"}``)."""
 
     name: str
     title: str

@@ -1,10 +1,14 @@
-"""The sweep driver and its trials: sweep file → checks → Ray → ``Tuner`` → table, ``best.yaml``,
-plots, MLflow.
+"""The sweep driver: sweep file → checks → Ray → ``Tuner`` → table, ``best.yaml``, plots, MLflow.
 
-Ray Train V2 with Tune: each trial is a function trainable (:func:`run_trial`) that runs
-:func:`pairsim.train.driver.fit` on the trial's run config, so a trial is exactly a ``pairsim
-train`` run (its own ``TorchTrainer``, DeepSpeed, Ray Data stream and MLflow run) whose
-per-epoch val metrics reach Tune through ``TuneReportCallback``, which ASHA reads.
+Ray Train V2 with Tune: each trial is a function trainable (:func:`pairsim.tune.trial.run_trial`)
+that runs :func:`pairsim.train.driver.fit` on the trial's run config, so a trial is exactly a
+``pairsim train`` run (its own ``TorchTrainer``, DeepSpeed, Ray Data stream and MLflow run).
+Each epoch's val metrics go from the run's Ray Train callback to Tune: Ray's
+``TuneReportCallback``, or under PBT and PB2, which clone a trial's Tune checkpoint,
+:class:`pairsim.train.callbacks.TrialReporter` over a Ray queue to the trial function, which
+reports them with the checkpoint (:func:`pairsim.tune.trial.fit_reporting_checkpoints`); the
+search (Optuna) and scheduler (ASHA, PBT, PB2) read those reports, and the driver's
+:class:`SweepProgress` prints them.
 
 MLflow: one parent run per sweep (the space, the settings, the results and plots), one child run
 per trial (``mlflow.parentRunId``; the trial's full config as params, its curves), ended
@@ -23,29 +27,26 @@ they are).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 from ray import tune
 
-from pairsim import cluster, jobs, locks, log, tracking, untrusted
+from pairsim import cluster, locks, log, signals, tracking, untrusted
 from pairsim.config import ConfigError
 from pairsim.storage import Location
 from pairsim.train import driver
 from pairsim.tune import results
 from pairsim.tune.space import Sweep
+from pairsim.tune.trial import TrialJob, TrialName, run_trial, trial_run_name
 
 logger = log.get_logger("tune")
 STATE_FILE = "pairsim-sweep.json"  # beside Tune's state: the sweep's digest, parent run and Tune's state digests
@@ -57,11 +58,7 @@ algorithm's and callbacks' state (``searcher-state-*.pkl``, ``basic-variant-stat
 pickles whatever their suffix); a trial's ``error.pkl``."""
 RECORD_EVERY_S = 5.0  # how often a running sweep records its Tune state's digests (TuneStateRecorder)
 SWEEP_LOCK = "pairsim-sweep.lock"  # in the sweep's directory while it runs (pairsim.locks)
-CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it is, at which epoch
-CLONE_INFO_MAX_BYTES = 4096
-CLONED_FROM_TAG = "pairsim.pbt.cloned_from"
 TUNE_CHECKPOINTS_KEPT = 4  # per PBT trial (Ray warns that 2 or fewer can delete what a clone needs)
-TRIAL_TAG = "pairsim.trial_id"
 TRIAL_MEMORY = 256 * 2**20  # bytes the trial function itself reserves
 TRIAL_LOG_LEVEL = "WARNING"  # trials' own pairsim logs (the sweep prints its table)
 
@@ -118,143 +115,6 @@ def verify_tune_state(exp_dir: Path, recorded: dict[str, str]) -> None:
         if name not in recorded:
             raise UnvouchedTuneState(f"{path}: pairsim recorded no SHA-256 of it")
         untrusted.verify_digest(path, recorded[name], UnvouchedTuneState)
-
-
-class CloneInfo(BaseModel):
-    """:data:`CLONE_INFO`, read back as untrusted input."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    trial_id: str  # whose checkpoint it is
-    epoch: int
-    checkpoint: str  # the directory name of the run's checkpoint it holds
-
-
-@dataclass(frozen=True)
-class TrialJob:
-    """What every trial gets from the sweep driver."""
-
-    sweep: Sweep
-    name: str
-    parent_run_id: str
-    runs_path: str  # absolute: where the trials' Ray Train runs (checkpoints) live
-    tracking_uri: str  # resolved on the driver (a relative sqlite path made absolute)
-    log_level: str
-    context_tags: dict[str, str]  # the sweep driver's user, source and commit: trials run in actors
-
-
-def trial_run_name(sweep_name: str, trial_id: str) -> str:
-    return f"{sweep_name}-{trial_id}"
-
-
-def report_checkpoint(train_checkpoint: str, trial_id: str, metrics: dict[str, Any], scratch: Path):
-    """Report ``metrics`` to Tune with the run's checkpoint as the trial's Tune checkpoint (PBT
-    clones from it): the checkpoint's files (hard links where they can be) under ``checkpoint/``
-    beside :data:`CLONE_INFO`, which says whose it is; Tune copies it into the trial's directory."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
-        shutil.copytree(train_checkpoint, Path(tmp) / "checkpoint", copy_function=_link_or_copy)
-        (Path(tmp) / CLONE_INFO).write_text(json.dumps({"trial_id": trial_id, "epoch": int(metrics["epoch"]),
-                                                        "checkpoint": Path(train_checkpoint).name}))
-        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def adopt_clone(checkpoint, trial_id: str, run_dir: Path) -> CloneInfo | None:
-    """What PBT gave the trial to start from (its Tune checkpoint): None when it is the trial's
-    own or there is none (the run resumes from its own directory, as any run does); else another
-    trial's, which the run then continues from — the run directory is moved aside
-    (``<run>.before-epoch-<e>``) and begins anew with that checkpoint. Returns its
-    :data:`CLONE_INFO`."""
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as ckpt_dir:
-        info = untrusted.read_model(Path(ckpt_dir) / CLONE_INFO, CloneInfo, CLONE_INFO_MAX_BYTES)
-        if info.trial_id == trial_id:
-            return None
-        target = untrusted.child(run_dir, info.checkpoint, f"{ckpt_dir}/{CLONE_INFO}: checkpoint")
-        if run_dir.exists():
-            aside = run_dir.with_name(f"{run_dir.name}.before-epoch-{info.epoch}")
-            shutil.rmtree(aside, ignore_errors=True)
-            run_dir.rename(aside)
-        run_dir.mkdir(parents=True)
-        shutil.copytree(Path(ckpt_dir) / "checkpoint", target.path)
-    return info
-
-
-def run_trial(config: dict[str, Any], job: TrialJob) -> None:
-    """One trial: the run config at the point of its Tune ``config``, trained by
-    :func:`pairsim.train.driver.fit` in a thread while this one reports each epoch to Tune (with
-    the checkpoint under PBT). A PBT trial handed another trial's checkpoint continues from it
-    (:func:`adopt_clone`) in the same MLflow run, which records ``pairsim.pbt.cloned_from`` and a
-    ``pairsim.pbt.clone.<epoch>`` tag per clone."""
-    from ray.util.queue import Queue
-
-    log.setup(job.log_level)
-    trial_id = tune.get_context().get_trial_id()
-    run_name = trial_run_name(job.name, trial_id)
-    point = job.sweep.point_of(config)
-    cfg = job.sweep.trial_config(point)
-    data_cap = min(cfg.data.max_cpus or math.inf, cfg.ray.data_cpus)  # the trial's share of the CPUs
-    cfg = cfg.model_copy(update={
-        "ray": cfg.ray.model_copy(update={"run_name": run_name, "storage_path": Path(job.runs_path)}),
-        "data": cfg.data.model_copy(update={"max_cpus": data_cap}),
-        "tracking": cfg.tracking.model_copy(update={"tracking_uri": job.tracking_uri})})
-    tags = job.context_tags | {TRIAL_TAG: trial_id, "pairsim.sweep": job.name, "pairsim.sampled": json.dumps(point)}
-    pbt = job.sweep.settings.pbt
-    clone = pbt and adopt_clone(tune.get_checkpoint(), trial_id, Path(job.runs_path) / run_name)
-    if clone:
-        tags |= {CLONED_FROM_TAG: clone.trial_id,
-                 f"{results.CLONE_TAG_PREFIX}{clone.epoch}": json.dumps({"from": clone.trial_id, "point": point})}
-        logger.info("trial %s continues from trial %s at epoch %d with %s", trial_id, clone.trial_id, clone.epoch,
-                    point)
-    reports = Queue(maxsize=1, actor_options={"num_cpus": 0})
-    trial = driver.SweepTrial(job.parent_run_id, tags, reports, tuple(pbt.mutations) if pbt else (),
-                              reset_temperatures=bool(clone) and any(k.endswith(".init") for k in pbt.mutations))
-    outcome: dict[str, BaseException] = {}
-
-    def train() -> None:
-        try:
-            driver.fit(cfg, trial)
-        except BaseException as exc:  # raised again in the trial's thread
-            outcome["error"] = exc
-        finally:
-            reports.put(None)
-
-    threading.Thread(target=train, name=f"pairsim-fit-{trial_id}", daemon=True).start()
-    try:
-        while (item := reports.get()) is not None:
-            metrics, checkpoint = item
-            if pbt and checkpoint:
-                report_checkpoint(checkpoint, trial_id, metrics, Path(job.runs_path) / ".tune-reports")
-            else:
-                tune.report(metrics)
-        if "error" in outcome:
-            raise outcome["error"]
-    except SystemExit:  # Tune paused or stopped the trial at a report (PBT, ASHA): not a failure
-        raise
-    except BaseException as exc:
-        run_id = tracking.find_run(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_name)
-        if run_id:
-            tracking.set_run_status(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_id, "FAILED",
-                                    {results.STATUS_TAG: "failed", tracking.ERROR_TAG: tracking.error_text(exc)})
-        raise
-
-
-class TrialName:
-    """Tune's trial names and directories: ``<sweep>-<trial id>``, unique within the storage."""
-
-    def __init__(self, sweep_name: str):
-        self.sweep_name = sweep_name
-
-    def __call__(self, trial) -> str:
-        return trial_run_name(self.sweep_name, trial.trial_id)
 
 
 class SweepProgress(tune.Callback):
@@ -401,9 +261,9 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
     if recorded and recorded.digest != sweep.digest():
         raise ConfigError(f"sweep {name!r} in {storage} was started with another base config, space or settings; "
                           "resume it with the same file and --set options, or give a new --name")
-    driver.check_ready(base)
+    driver.plan_run(base)
     for point in sweep.points_to_check()[:2]:
-        driver.check_ready(sweep.trial_config(point))
+        driver.plan_run(sweep.trial_config(point))
     with locks.hold(exp_dir / SWEEP_LOCK, f"sweep {name!r}"):
         if recorded:  # under the lock: no driver of this sweep is writing Tune's state
             verify_tune_state(exp_dir, recorded.tune_state)
@@ -439,7 +299,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
     try:  # Tune writes its state from here on: recorded however the driver stops (but SIGKILL)
         tuner = (tune.Tuner.restore(str(exp_dir), trainable, resume_unfinished=True, resume_errored=False)
                  if restoring else _new_tuner(sweep, exp_dir, trainable, trials_at_once, tracking_uri, state))
-        with tracking.ending_run(tracking_uri, parent_run_id) as outcome, jobs.stop_on_signals():
+        with tracking.ending_run(tracking_uri, parent_run_id) as outcome, signals.stop_on_signals():
             grid = tuner.fit()
             children = tracking.child_runs(tracking_uri, parent_run_id)
             rows = results.trial_rows(grid, sweep, children, name)

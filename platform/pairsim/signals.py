@@ -1,6 +1,7 @@
-"""How a pairsim job stops: ``ray job stop`` (SIGTERM to the driver) turned into an exception
-that unwinds the run, which then ends KILLED in MLflow. (Joining the cluster with pairsim
-shipped to its workers is :func:`pairsim.cluster.join_cluster`.)
+"""Signals that stop a pairsim command or job: SIGTERM (``ray job stop``, a scheduler's stop,
+``kill``) and, for the command line, SIGINT (Ctrl-C), turned into :class:`JobStopped`, which
+unwinds the run, which then ends KILLED in MLflow. (Joining the cluster with pairsim shipped to
+its workers is :func:`pairsim.cluster.join_cluster`.)
 
 This module imports only the standard library: the command line imports it before it knows the
 command.
