@@ -221,7 +221,7 @@ class Family:
 
 @functools.cache
 def _load_plugin(family: Family, name: str) -> Any:
-    entry = {ep.name: ep for ep in importlib.metadata.entry_points(group=family.group)}[name]
+    entry = family._entry_points()[name]
     loaded = entry.load()
     params = getattr(loaded, "Params", None)
     if not (isinstance(params, type) and issubclass(params, family.base)):
