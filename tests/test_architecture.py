@@ -1,5 +1,6 @@
 """The package's structure: every module imports on its own, no import cycle between pairsim's
-modules (function-level imports included), and no module reaches into another's private names."""
+modules (function-level imports included), no module reaches into another's private names, and
+third-party internals are used in pairsim.compat only."""
 
 import ast
 import graphlib
@@ -146,3 +147,97 @@ assert load_config(None, ["eval.select_metric=f2t_median_rank"]).eval.select_mod
 """
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+COMPAT = PACKAGE_ROOT / "compat"  # pairsim.compat: the one place allowed third-party internals
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}  # public despite the underscore
+THIRD_PARTY_INTERNALS = {  # names of third-party internals that carry no underscore
+    "checkpoint_manager_snapshot.json",  # Ray Train's record of a run's checkpoints
+    "RAY_DEDUP_LOGS_SKIP_REGEX", "ENABLE_RAY_CLUSTER", "num_workers_soft_limit",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT",
+    "fp32_groups_flat", "fp32_groups", "fp16_groups", "get_hp_fragment",  # DeepSpeed optimizers' master weights
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+}
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def names_pairsim_defines(trees: list[ast.Module]) -> set[str]:
+    """The private names pairsim's own code defines: functions, classes, their parameters,
+    variables, attributes it assigns and import aliases."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias) and node.asname:
+                names.add(node.asname)
+    return {name for name in names if is_private(name)}
+
+
+def third_party_private_uses(tree: ast.Module, pairsims: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each use in ``tree`` of a third-party module's private module or name: an
+    import of one, an attribute, ``getattr`` name or keyword argument that is private and not
+    one of ``pairsims`` (nor namedtuple's), a name or string of :data:`THIRD_PARTY_INTERNALS`."""
+    def third_party(module: str) -> bool:
+        return module.split(".")[0] not in {"pairsim", *sys.stdlib_module_names}
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, f"import {a.name}") for a in node.names
+                      if third_party(a.name) and any(map(is_private, a.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and not node.level and third_party(node.module):
+            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                      if any(map(is_private, [*node.module.split("."), a.name])) or a.name in THIRD_PARTY_INTERNALS]
+        elif isinstance(node, ast.Attribute):
+            if node.attr in THIRD_PARTY_INTERNALS or (is_private(node.attr)
+                                                      and node.attr not in pairsims | NAMEDTUPLE_API):
+                found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.keyword) and node.arg and is_private(node.arg) and node.arg not in pairsims:
+            found.append((node.lineno, f"{node.arg}="))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in THIRD_PARTY_INTERNALS:
+                found.append((node.lineno, repr(node.value)))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and is_private(node.args[1].value) and node.args[1].value not in pairsims):
+            found.append((node.lineno, f"{node.func.id}(…, {node.args[1].value!r})"))
+    return found
+
+
+def test_third_party_internals_are_used_in_pairsim_compat_only():
+    """A private module or name of Ray, DeepSpeed, MLflow (any third-party package), or one of
+    their internal files or environment variables, is used through :mod:`pairsim.compat` only:
+    where a new version breaks pairsim is then one package, tested against known versions."""
+    modules = {path: ast.parse(path.read_text()) for path in PACKAGE_ROOT.rglob("*.py")
+               if not path.is_relative_to(COMPAT)}
+    pairsims = names_pairsim_defines(list(modules.values()))
+    offences = [f"{path.relative_to(PACKAGE_ROOT.parent)}:{line}: {what}"
+                for path, tree in sorted(modules.items()) for line, what in third_party_private_uses(tree, pairsims)]
+    assert not offences, "third-party internals outside pairsim/compat/:\n" + "\n".join(offences)
+
+
+def test_the_internals_check_finds_each_kind_of_use():
+    source = """
+from ray._private import ray_constants
+import ray.train._internal.session
+from mlflow.data import _helper
+ray_constants.ENABLE_RAY_CLUSTER = False
+param._hp_mapping.get_hp_fragment()
+getattr(param, "_hp_mapping", None)
+ray.init(_system_config={})
+os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", ".")
+self._mine, parts._replace(path="")
+"""
+    found = third_party_private_uses(ast.parse(source), {"_mine"})
+    assert sorted(line for line, _ in found) == [2, 3, 4, 5, 6, 6, 7, 8, 9], found

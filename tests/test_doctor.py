@@ -7,7 +7,7 @@ from importlib import metadata
 import pytest
 import torch
 
-from pairsim import cli, doctor
+from pairsim import cli, compat, doctor
 from pairsim.config import ConfigError, load_config
 from pairsim.train import driver, engine
 
@@ -83,3 +83,21 @@ def test_compile_without_a_c_compiler_is_reported_blocking(monkeypatch, tmp_path
     (tmp_path / "cc").chmod(0o755)
     finding = {f.topic: f for f in doctor.compiler(load_config(None, ["train.compile=true"]))}["train.compile"]
     assert not finding.blocking and str(tmp_path / "cc") in finding.detail
+
+
+def test_ray_deepspeed_and_mlflow_are_reported_against_their_tested_ranges(capsys, tmp_path):
+    code, out = run_doctor(capsys, f"ray.storage_path={tmp_path / 'runs'}")
+    assert code == 0, out
+    for name, tested in zip(("ray", "deepspeed", "mlflow"), compat.TESTED_RANGES):
+        line = next(line for line in out.splitlines() if line.split()[:2] == ["·", name])
+        assert line.endswith(f"{metadata.version(name)}, within the tested range {tested}"), line
+    assert "!" not in {line[0] for line in out.splitlines()}
+
+
+def test_a_version_outside_the_tested_range_is_a_warning_not_a_failure(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(compat, "TESTED_RANGES", ("ray<2.0", *compat.TESTED_RANGES[1:]))
+    findings = {f.topic: f for f in doctor.tested_versions()}
+    assert findings["ray"].warning and not findings["ray"].blocking and not findings["mlflow"].warning
+    code, out = run_doctor(capsys, f"ray.storage_path={tmp_path / 'runs'}")
+    assert code == 0, out
+    assert "! ray  " in out and f"{metadata.version('ray')}, outside the tested range ray<2.0" in out

@@ -13,9 +13,9 @@ which feed them data. Every command reaches Ray through here.
   :func:`node_roles` reads the alive nodes' labels once, before a run starts;
   :func:`check_cpu_budget` refuses a run the nodes cannot hold, naming the knobs.
 
-This module imports only the standard library and ``ray`` (pairsim's config when it raises or
-reads one): the setup hook runs when a worker process starts, before Ray sets
-``OMP_NUM_THREADS`` for the task it will run, and a worker that imported torch there kept
+This module imports only the standard library, ``ray`` and :mod:`pairsim.compat` (pairsim's
+config when it raises or reads one): the setup hook runs when a worker process starts, before
+Ray sets ``OMP_NUM_THREADS`` for the task it will run, and a worker that imported torch there kept
 torch's default thread count (all cores) instead of its CPUs' (1 per CPU): oversubscribed cores
 and different float reductions (tested in ``tests/test_local_ray.py``).
 """
@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
+
+from pairsim import compat
 
 if TYPE_CHECKING:
     from pairsim.config import NodeRolesConfig, RunConfig
@@ -62,34 +64,13 @@ def address_own_cluster() -> None:
 LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}"}
 
 
-@contextlib.contextmanager
-def _node_on_loopback() -> Iterator[None]:
-    """Within the block this machine's Ray address is 127.0.0.1: an instance started here takes
-    it as its node address, and a loopback address joined is not rewritten.
-
-    Each of Ray's servers binds to the node address — the metrics exporters (dashboard agent,
-    dashboard head, autoscaler monitor) to 0.0.0.0 unless it is loopback — and ``ray.init``
-    rewrites 127.0.0.1, in ``_node_ip_address`` or in the address it joins, to the machine's
-    LAN address. The switch with which Ray keeps a node on loopback on macOS and Windows
-    (``ray_constants.ENABLE_RAY_CLUSTER``) is turned off within the block only, so a later
-    ``ray.init(address=…)`` joining another machine's cluster still finds its own address."""
-    from ray._private import ray_constants
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
 def start_local_instance(listen_on_all_interfaces: bool = False, **init_kwargs) -> None:
     """``ray.init(**init_kwargs)`` of a new instance on this machine with
     :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``). Its dashboard,
     metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
     ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
     init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | init_kwargs.get("runtime_env", {})
-    with contextlib.nullcontext() if listen_on_all_interfaces else _node_on_loopback():
+    with contextlib.nullcontext() if listen_on_all_interfaces else compat.ray.node_on_loopback():
         ray.init(**init_kwargs)
 
 
@@ -115,7 +96,7 @@ def join(address: str | None, **init_kwargs) -> None:
     ``RAY_ADDRESS``). A local instance that listens on loopback only is joined as written:
     Ray would rewrite 127.0.0.1 to the LAN address, where nothing listens."""
     loopback = answers_on_loopback_only(address or os.environ.get("RAY_ADDRESS", ""))
-    with _node_on_loopback() if loopback else contextlib.nullcontext():
+    with compat.ray.node_on_loopback() if loopback else contextlib.nullcontext():
         ray.init(address=address, **init_kwargs)
 
 
@@ -245,7 +226,7 @@ def init_ray(cfg: RunConfig, concurrent_runs: int = 1, log_to_driver: bool = Tru
     ray.data.DataContext.get_current().enable_progress_bars = False
     cpus = math.ceil(run_cpus(cfg) * concurrent_runs)
     connect(cfg.ray.address, cfg.ray.listen_on_all_interfaces, log_to_driver, num_cpus=cpus,
-            _system_config={"num_workers_soft_limit": cpus + IDLE_WORKERS_KEPT})
+            **compat.ray.worker_soft_limit(cpus + IDLE_WORKERS_KEPT))
 
 
 @dataclass(frozen=True)

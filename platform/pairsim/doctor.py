@@ -4,7 +4,8 @@ and whether the run config's choices can run on it — before a job is submitted
 Each :class:`Finding` is a line of the report; a finding is *blocking* when the config asks for
 something that cannot run (GPUs that are not there, bf16 on a GPU without it, DeepSpeed's
 FusedAdam with no way to build it, a storage path that cannot be written, a cluster smaller
-than one run), and ``pairsim doctor`` then exits with 1.
+than one run), and ``pairsim doctor`` then exits with 1. A *warning* does not block: Ray,
+DeepSpeed or MLflow installed outside the versions :mod:`pairsim.compat` was tested on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pairsim import cluster as clusters
+from pairsim import compat
 from pairsim import storage as stores
 from pairsim.config import RunConfig
 
@@ -30,6 +32,7 @@ class Finding:
     topic: str
     detail: str
     blocking: bool = False  # the run config asks for what this finding says cannot run
+    warning: bool = False  # worth a look, but the run may go ahead
 
 
 def _version(package: str) -> str:
@@ -44,7 +47,17 @@ def software() -> list[Finding]:
     return [Finding("python", f"{platform.python_version()} ({sys.executable})"),
             Finding("packages", ", ".join(f"{p} {_version(p)}" for p in
                                           ("torch", "ray", "deepspeed", "open_clip_torch", "mlflow", "pyarrow"))),
+            *tested_versions(),
             Finding("torch CUDA build", cuda)]
+
+
+def tested_versions() -> list[Finding]:
+    """Ray's, DeepSpeed's and MLflow's installed version against the range :mod:`pairsim.compat`
+    was tested on (:func:`pairsim.compat.version_report`); a warning outside it."""
+    return [Finding(check.name, f"{check.installed}, within the tested range {check.tested}") if check.within else
+            Finding(check.name, f"{check.installed or 'not installed'}, outside the tested range {check.tested}: "
+                                "pairsim's use of its internals (pairsim.compat) may break", warning=True)
+            for check in compat.version_report()]
 
 
 def gpus(cfg: RunConfig) -> list[Finding]:
@@ -153,4 +166,5 @@ def diagnose(cfg: RunConfig) -> list[Finding]:
 
 def report(findings: list[Finding]) -> str:
     width = max(len(f.topic) for f in findings)
-    return "\n".join(f"{'✗' if f.blocking else '·'} {f.topic:<{width}}  {f.detail}" for f in findings)
+    return "\n".join(f"{'✗' if f.blocking else '!' if f.warning else '·'} {f.topic:<{width}}  {f.detail}"
+                     for f in findings)

@@ -23,8 +23,9 @@ from mlflow.tracking import MlflowClient
 import toy_loss  # noqa: F401  (registers cos_hinge_nan_after here; workers import it from the pickled config)
 from conftest import (STEPS_PER_EPOCH, complete_checkpoints, e2e_overrides, start_mlflow_server, steps_logged_twice,
                       unused_port)
-from pairsim import log, tracking
+from pairsim import log, storage, tracking
 from pairsim.cli import DEMO_CONFIG, main
+from pairsim.compat.ray import train_record_checkpoints
 from pairsim.config import load_config
 from pairsim.build import build_objective
 from pairsim.train import checkpoints, driver
@@ -35,10 +36,9 @@ pytestmark = pytest.mark.slow
 def registered(run_dir: Path) -> set[str]:
     """The checkpoints Ray Train's record of the run names."""
     try:
-        record = json.loads((run_dir / checkpoints.RAY_SNAPSHOT).read_text())
-    except (FileNotFoundError, ValueError):  # not written yet, or being written
+        return set(train_record_checkpoints(storage.Location.of(run_dir)))
+    except ValueError:  # being written
         return set()
-    return {result["checkpoint_dir_name"] for result in record["checkpoint_results"]}
 
 
 @pytest.fixture(autouse=True)

@@ -7,15 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlflow.data.dataset import Dataset
 from mlflow.data.dataset_source import DatasetSource
-from mlflow.data.dataset_source_registry import get_registered_sources
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
-from pairsim import storage
+from pairsim import compat, storage
 from pairsim.data import shards
 from pairsim.log import get_logger
 
@@ -28,11 +26,10 @@ def dataset_source(root: str | Path) -> DatasetSource:
     holds two alike for no scheme and ``file:``, so resolving by URI warns."""
     location = storage.Location.of(root)
     kind = "local" if location.is_local else location.uri.split("://", 1)[0]
-    source = next(s for s in get_registered_sources() if s._get_source_type() == kind)
-    return source(location.uri)
+    return compat.mlflow.dataset_source_class(kind)(location.uri)
 
 
-class ShardSplit(Dataset):
+class ShardSplit(compat.mlflow.digest_given_dataset()):
     """One split of a shard dataset as an MLflow dataset: its source is the dataset directory,
     its digest the split's manifest content hash (cut to MLflow's 36 characters; the profile
     holds it whole, with the split's counts)."""
@@ -42,9 +39,6 @@ class ShardSplit(Dataset):
                          "captions": counts.captions, "shards": counts.shards}
         super().__init__(dataset_source(root), name=f"{storage.Location.of(root).name}/{split}",
                          digest=counts.content_hash[:MAX_DATASET_DIGEST_SIZE])
-
-    def _compute_digest(self) -> str:  # the digest is always given
-        raise NotImplementedError
 
     def to_dict(self) -> dict[str, str]:
         return super().to_dict() | {"profile": json.dumps(self.profile)}
@@ -66,6 +60,6 @@ def log_datasets(tracking_uri: str, run_id: str, data: shards.RunData, test: boo
     if test and data.has(config.test_split):
         splits["testing"] = config.test_split
     MlflowClient(tracking_uri).log_inputs(run_id, [
-        DatasetInput(ShardSplit(config.split_path(split), split, data.split(split))._to_mlflow_entity(),
+        DatasetInput(compat.mlflow.dataset_entity(ShardSplit(config.split_path(split), split, data.split(split))),
                      [InputTag(MLFLOW_DATASET_CONTEXT, context)])
         for context, split in splits.items()])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import tempfile
 import threading
 import time
@@ -19,6 +18,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
+from pairsim import compat
 from pairsim.log import get_logger
 
 logger = get_logger("tracking")
@@ -90,8 +90,7 @@ class RunLogger:
                  tolerate_outage: bool = False, spill_dir: str | Path | None = None, close_timeout: float = 120.0,
                  continues_run: bool = False):
         if tolerate_outage:
-            for name, value in (("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"), ("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")):
-                os.environ.setdefault(name, value)
+            compat.mlflow.fail_fast_http()
         self.client, self.run_id, self.tolerate_outage = MlflowClient(tracking_uri), run_id, tolerate_outage
         self._logged_through: dict[str, int] = {}
         if continues_run:

@@ -24,12 +24,10 @@ weights with DeepSpeed's ``zero_to_fp32`` — into ``model.pt`` (open_clip weigh
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import pickle
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ import ray.train
 import torch
 from pydantic import Field
 
-from pairsim import dist, log, storage, untrusted
+from pairsim import compat, dist, log, storage, untrusted
 from pairsim.config import ConfigError, Int, ModelConfig, Section
 from pairsim.errors import InputError
 from pairsim.models import clip, retrieval, saved
@@ -61,21 +59,12 @@ class RankChecksums(Section):
     files: dict[str, Sha256] = Field(description="the SHA-256 of each file the rank wrote, by its path in it")
 
 
-def _deepspeed_globals() -> list[type]:
-    """The classes DeepSpeed pickles into its checkpoints besides tensors and plain containers."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
 def load_checkpoint_file(path: str | Path, mmap: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` that also accepts DeepSpeed's own state classes:
     a file that would run code when unpickled is refused (:class:`UnsafeCheckpointError`),
     naming it, with nothing executed."""
     try:
-        with torch.serialization.safe_globals(_deepspeed_globals()):
+        with torch.serialization.safe_globals(compat.deepspeed.checkpoint_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError) as exc:  # RuntimeError: not torch's zip format
         reason = str(exc).strip().splitlines()[0]
@@ -197,23 +186,16 @@ def inventory(path: str | Path) -> list[tuple[storage.Location, ModelCard | None
     return out
 
 
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's record of a run's checkpoints
-
-
 def set_aside_stale_snapshot(run: storage.Location) -> None:
     """Ray Train refuses a run directory whose record of its checkpoints names one that is gone
     (deleted by hand to free space or drop a bad epoch). When ``run``'s record does, it is
     renamed ``<name>.stale-<time>`` with a warning naming what is gone; Ray Train then starts a
     new record (checkpoints saved before are not ranked in it) and :func:`restore` resumes from
     the newest checkpoint left."""
-    snapshot = run / RAY_SNAPSHOT
-    if not snapshot.is_file():
-        return
-    listed = [result["checkpoint_dir_name"] for result in json.loads(snapshot.read_text())["checkpoint_results"]]
+    listed = compat.ray.train_record_checkpoints(run)
     gone = [name for name in listed if (run / name).info().type != pyarrow.fs.FileType.Directory]
     if gone:
-        aside = run / f"{RAY_SNAPSHOT}.stale-{time.strftime('%Y%m%d-%H%M%S')}"
-        run.fs.move(snapshot.path, aside.path)
+        aside = compat.ray.set_aside_train_record(run)
         logger.warning("%s: Ray Train's record of the run names checkpoints that are gone (%s); it is set aside "
                        "as %s", run, ", ".join(gone), aside.name)
 

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import logging
 import pickle
-import signal
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,7 +25,7 @@ import ray.train
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
-from pairsim import build, cluster, locks, log, signals, storage, tracking
+from pairsim import build, cluster, compat, locks, log, signals, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.data.shard_reader import checksum_failure
@@ -323,9 +322,8 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
     with tracking.ending_run(tracking_uri, run_id) as outcome, signals.stop_on_signals():
         try:
             try:
-                result = trainer.fit()
-            except SystemExit as exc:  # fit's own Ctrl-C handler aborted the run, then Ray's wait exits
-                raise signals.JobStopped.by(signal.SIGINT) from exc
+                with compat.ray.ctrl_c_in_fit():
+                    result = trainer.fit()
             except ray.train.TrainingFailedError as exc:  # a shard that fails its check is reported as itself
                 if (bad_shard := checksum_failure(exc)) is not None:
                     raise bad_shard from None

@@ -9,18 +9,16 @@ Its checkpoints are :mod:`pairsim.train.checkpoints`.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pairsim import dist, log
+from pairsim.compat.deepspeed import import_muon_lazily, master_fragment
 from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, merge
 from pairsim.build import build_objective
 from pairsim.losses import Objective, temperatures
@@ -149,48 +147,6 @@ def prepare_deepspeed_ops() -> None:
         raise RuntimeError(problem)
 
 
-def import_muon_lazily() -> None:
-    """Import DeepSpeed's Muon optimizer with its ``@torch.compile`` kernels compiled on first
-    call instead of at import.
-
-    DeepSpeed 0.19 imports that module while it checks the optimizer (``deepspeed.initialize``
-    under ZeRO) and in ZeRO-1/2's first gradient reduction, whichever optimizer runs, and
-    ``torch.compile``'s decorator loads ``torch._inductor``: about 2 s of every worker's
-    start-up, for an optimizer pairsim does not build. Imported first here, with the decorator
-    deferred to each kernel's first call, those later imports find it loaded. Muon itself runs
-    as before (``torch.compile`` compiles lazily anyway; only its wrapper is built later)."""
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    if name in sys.modules:
-        return
-    from deepspeed.runtime import compiler
-
-    eager = getattr(compiler, "compile", None)
-    if eager is None:  # a DeepSpeed whose modules no longer decorate through it: nothing to defer
-        return
-
-    def compile_on_first_call():
-        def decorate(function):
-            compiled = None
-
-            @functools.wraps(function)
-            def call(*args, **kwargs):
-                nonlocal compiled
-                compiled = compiled or torch.compile(function)
-                return compiled(*args, **kwargs)
-
-            return call
-
-        return decorate
-
-    compiler.compile = compile_on_first_call
-    try:
-        importlib.import_module(name)
-    except ImportError:  # a DeepSpeed without Muon: nothing to defer
-        pass
-    finally:
-        compiler.compile = eager
-
-
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """The trainable parameters, no weight decay on gains, biases, embeddings of position/class
     and other 1-D params (as open_clip); groups left empty by locked towers are dropped."""
@@ -235,21 +191,6 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any], objective: Objectiv
     return engine
 
 
-def _master_fragment(optimizer, param: torch.nn.Parameter) -> torch.Tensor | None:
-    """This rank's part of the fp32 master copy of ``param`` that ``optimizer`` steps (a view into
-    DeepSpeed's buffers), or None when the optimizer steps ``param`` itself or owns none of it."""
-    if getattr(param, "_hp_mapping", None) is not None:  # ZeRO-1/2, bf16 optimizer
-        return param._hp_mapping.get_hp_fragment()
-    masters = getattr(optimizer, "fp32_groups_flat", None) or getattr(optimizer, "fp32_groups", None)
-    for low_precision, master in zip(getattr(optimizer, "fp16_groups", []), masters or []):
-        offset = 0  # ZeRO-0 with bf16/fp16: FP16_Optimizer (flat masters) or FP16_UnfusedOptimizer (one per param)
-        for index, p in enumerate(low_precision):
-            if p is param:
-                return master.narrow(0, offset, p.numel()) if torch.is_tensor(master) else master[index]
-            offset += p.numel()
-    return None
-
-
 @torch.no_grad()
 def clamp_temperatures(engine, to_init: bool = False) -> None:
     """Clamp every learnable temperature of the engine's module into its range after
@@ -275,7 +216,7 @@ def clamp_temperatures(engine, to_init: bool = False) -> None:
             local.narrow(0, 0, max(0, min(local.numel(), param.ds_numel - local.numel() * dist.rank()))).clamp_(low, high)
             safe_set_local_fp32_param(param, local)
         elif param.requires_grad:
-            master = _master_fragment(engine.optimizer, param)
+            master = master_fragment(engine.optimizer, param)
             if master is not None:
                 master.clamp_(low, high)
         if to_init:

@@ -1,0 +1,99 @@
+"""What pairsim uses of Ray beyond its public API: the loopback switch of ``ray._private``
+(:func:`node_on_loopback`), ``ray.init``'s private ``_system_config`` (:func:`worker_soft_limit`),
+the log-deduplication variable read when ``ray`` is imported (:func:`quiet_worker_count_warning`),
+Ray Train's record of a run's checkpoints (:data:`TRAIN_RECORD`) and the ``SystemExit`` of Ray
+Train's Ctrl-C handler (:func:`ctrl_c_in_fit`).
+
+Imports no ``ray`` at module level: ``import pairsim`` calls :func:`quiet_worker_count_warning`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from pairsim.signals import JobStopped
+
+if TYPE_CHECKING:
+    from pairsim.storage import Location
+
+TESTED = "ray>=2.60,<2.61"
+
+TRAIN_RECORD = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of a run's checkpoints, in the run directory (Train V2's
+``CHECKPOINT_MANAGER_SNAPSHOT_FILENAME``)."""
+
+
+def quiet_worker_count_warning() -> None:
+    """Drop the raylet's "N PYTHON worker processes have been started on node …" warning from
+    this driver's console (it stays in the raylet's log), unless the user set
+    ``RAY_DEDUP_LOGS_SKIP_REGEX``: Ray reads that variable when ``ray`` is first imported.
+
+    Each Train controller, training worker and Ray Data actor is a Ray worker process of its own,
+    so a run (and more so a sweep) starts more of them than the machine has cores, and the
+    raylet warns again each time the count grows."""
+    os.environ.setdefault("RAY_DEDUP_LOGS_SKIP_REGEX", r"PYTHON worker processes have been started on node")
+
+
+@contextlib.contextmanager
+def node_on_loopback() -> Iterator[None]:
+    """Within the block this machine's Ray address is 127.0.0.1: an instance started here takes
+    it as its node address, and a loopback address joined is not rewritten.
+
+    Each of Ray's servers binds to the node address — the metrics exporters (dashboard agent,
+    dashboard head, autoscaler monitor) to 0.0.0.0 unless it is loopback — and ``ray.init``
+    rewrites 127.0.0.1, in ``_node_ip_address`` or in the address it joins, to the machine's
+    LAN address. The switch with which Ray keeps a node on loopback on macOS and Windows
+    (``ray._private.ray_constants.ENABLE_RAY_CLUSTER``) is turned off within the block only, so
+    a later ``ray.init(address=…)`` joining another machine's cluster still finds its own address."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def worker_soft_limit(limit: int) -> dict[str, Any]:
+    """``ray.init`` keyword arguments for a local instance that keeps up to ``limit`` idle worker
+    processes (Ray's default: one per CPU); ``ray start`` takes ``RAY_num_workers_soft_limit``."""
+    return {"_system_config": {"num_workers_soft_limit": limit}}
+
+
+def train_record_checkpoints(run: Location) -> list[str]:
+    """The checkpoint directory names Ray Train's record of ``run`` (a run directory) lists;
+    none without a record."""
+    record = run / TRAIN_RECORD
+    if not record.is_file():
+        return []
+    return [result["checkpoint_dir_name"] for result in json.loads(record.read_text())["checkpoint_results"]]
+
+
+def set_aside_train_record(run: Location) -> Location:
+    """Rename Ray Train's record of ``run`` ``<name>.stale-<time>``, where Ray Train no longer
+    reads it (it then starts a new one); the renamed file."""
+    aside = run / f"{TRAIN_RECORD}.stale-{time.strftime('%Y%m%d-%H%M%S')}"
+    run.fs.move((run / TRAIN_RECORD).path, aside.path)
+    return aside
+
+
+@contextlib.contextmanager
+def ctrl_c_in_fit() -> Iterator[None]:
+    """Around ``TorchTrainer.fit()`` in the main thread: Ray Train's Ctrl-C leaves the block as
+    :class:`~pairsim.signals.JobStopped` (SIGINT) instead of ``SystemExit``.
+
+    Train V2's ``fit`` installs a SIGINT handler of its own (``_register_sigint_handler``): it
+    asks the Train controller to abort, which ends the controller's process, and the handler,
+    finding it gone, calls ``sys.exit(0)`` (at once on a third Ctrl-C): a ``SystemExit`` that
+    would end the command as a success."""
+    try:
+        yield
+    except SystemExit as exc:
+        raise JobStopped.by(signal.SIGINT) from exc

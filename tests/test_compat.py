@@ -1,0 +1,114 @@
+"""pairsim.compat, the one boundary with Ray's, DeepSpeed's and MLflow's internals: each shim
+against the installed packages, and the versions each was tested on. DeepSpeed's Muon import and
+its optimizers' master weights are tested through the engine (``tests/test_deepspeed_config.py``,
+``tests/test_temperature.py``)."""
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+
+from pairsim import compat, storage
+from pairsim.signals import JobStopped
+from pairsim.train import checkpoints
+
+
+@pytest.mark.parametrize("shim", [compat.ray, compat.deepspeed, compat.mlflow], ids=lambda m: m.__name__)
+def test_each_shims_tested_range_parses_and_holds_the_installed_version(shim):
+    requirement = Requirement(shim.TESTED)
+    assert requirement.name == shim.__name__.rsplit(".", 1)[1] and shim.TESTED in compat.TESTED_RANGES
+    assert requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
+
+
+def test_the_version_report_names_each_distribution_its_version_and_range(monkeypatch):
+    assert compat.version_report() == [
+        compat.VersionCheck(name, metadata.version(name), tested, True)
+        for name, tested in zip(("ray", "deepspeed", "mlflow"), compat.TESTED_RANGES)]
+    monkeypatch.setattr(compat, "TESTED_RANGES", ("ray<2", "pairsim-no-such-distribution>=1"))
+    assert compat.version_report() == [compat.VersionCheck("ray", metadata.version("ray"), "ray<2", False),
+                                       compat.VersionCheck("pairsim-no-such-distribution", None,
+                                                           "pairsim-no-such-distribution>=1", False)]
+
+
+def test_importing_pairsim_compat_imports_none_of_the_packages_it_wraps():
+    code = ("import sys, pairsim.compat; "
+            "print(sorted(m for m in ('ray', 'deepspeed', 'mlflow', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split()[-1] == "[]", done.stdout
+
+
+def test_node_on_loopback_flips_rays_switch_within_the_block_only():
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    with pytest.raises(RuntimeError), compat.ray.node_on_loopback():
+        assert ray_constants.ENABLE_RAY_CLUSTER is False
+        raise RuntimeError
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+
+
+def test_a_train_record_naming_a_gone_checkpoint_is_set_aside(tmp_path, caplog):
+    run = storage.Location.of(tmp_path)
+    assert compat.ray.train_record_checkpoints(run) == []
+    checkpoints.set_aside_stale_snapshot(run)  # no record: nothing to do
+    (tmp_path / "checkpoint_2026-01-01_00-00-00.000000").mkdir()
+    record = {"checkpoint_results": [{"checkpoint_dir_name": "checkpoint_2026-01-01_00-00-00.000000"},
+                                     {"checkpoint_dir_name": "checkpoint_2026-01-01_00-05-00.000000"}]}
+    (tmp_path / compat.ray.TRAIN_RECORD).write_text(json.dumps(record))
+    assert len(compat.ray.train_record_checkpoints(run)) == 2
+    with caplog.at_level(logging.WARNING, logger="pairsim"):
+        checkpoints.set_aside_stale_snapshot(run)
+    assert not (tmp_path / compat.ray.TRAIN_RECORD).exists()
+    aside = [p.name for p in tmp_path.glob(f"{compat.ray.TRAIN_RECORD}.stale-*")]
+    assert len(aside) == 1 and aside[0] in caplog.text and "checkpoint_2026-01-01_00-05-00.000000" in caplog.text
+
+
+def test_ray_trains_ctrl_c_exit_leaves_fit_as_job_stopped():
+    with pytest.raises(JobStopped) as stopped, compat.ray.ctrl_c_in_fit():
+        sys.exit(0)  # what Train V2's SIGINT handler does once the controller is aborted
+    assert stopped.value.signum == signal.SIGINT and isinstance(stopped.value.__cause__, SystemExit)
+    with pytest.raises(ValueError), compat.ray.ctrl_c_in_fit():
+        raise ValueError
+
+
+def test_fail_fast_http_sets_mlflows_retry_settings_and_keeps_a_users(monkeypatch):
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
+
+    monkeypatch.delenv(MLFLOW_HTTP_REQUEST_MAX_RETRIES.name, raising=False)
+    monkeypatch.setenv(MLFLOW_HTTP_REQUEST_TIMEOUT.name, "3")
+    compat.mlflow.fail_fast_http()
+    assert (MLFLOW_HTTP_REQUEST_MAX_RETRIES.get(), MLFLOW_HTTP_REQUEST_TIMEOUT.get()) == (0, 3)
+
+
+def test_mlflows_dataset_hooks(tmp_path):
+    from mlflow.data.filesystem_dataset_source import FileSystemDatasetSource
+
+    source = compat.mlflow.dataset_source_class("local")(str(tmp_path))
+    assert isinstance(source, FileSystemDatasetSource) and source.to_dict() == {"uri": str(tmp_path)}
+
+    class Named(compat.mlflow.digest_given_dataset()):
+        profile = schema = None
+
+    entity = compat.mlflow.dataset_entity(Named(source, name="d", digest="abc"))
+    assert (entity.name, entity.digest, entity.source_type) == ("d", "abc", "local")
+    with pytest.raises(NotImplementedError):
+        Named(source, name="d")
+
+
+def test_the_classes_deepspeed_pickles_into_checkpoints_load(tmp_path):
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    states = {"address": fragment_address(numel=4, start=0), "stage": ZeroStageEnum.gradients,
+              "scaler": LossScaler(2.0), "dynamic": DynamicLossScaler(2.0**16, 1000, 1, 0, False)}
+    torch.save(states, tmp_path / "states.pt")
+    loaded = checkpoints.load_checkpoint_file(tmp_path / "states.pt")
+    assert loaded["address"] == states["address"] and loaded["stage"] is ZeroStageEnum.gradients
+    assert (loaded["scaler"].cur_scale, loaded["dynamic"].cur_scale) == (2.0, 2.0**16)
