@@ -166,8 +166,9 @@ def test_locked_towers_leave_only_the_unlocked_parts_trainable():
 
 
 def test_unlocked_groups_need_a_locked_tower():
-    with pytest.raises(ConfigError, match="model.lock_image_unlocked_groups: only applies with model.lock_image"):
+    with pytest.raises(ConfigError) as exc:
         run_config("infonce", "model.lock_image_unlocked_groups=1")
+    assert exc.value.keys == ("model.lock_image_unlocked_groups",) and "model.lock_image" in str(exc.value)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -191,8 +192,9 @@ def test_deepspeed_passthrough_is_merged_and_parsed_by_deepspeed():
     assert ds["gradient_accumulation_steps"] == 4
     check_deepspeed_config(ds)
     bad = run_config("infonce", "train.deepspeed={zero_optimization: {overlap_comms: true}}")
-    with pytest.raises(ConfigError, match="(?s)train.deepspeed: DeepSpeed refuses.*overlap_comms.*Extra inputs"):
+    with pytest.raises(ConfigError) as exc:
         check_deepspeed_config(deepspeed_config(bad.train, bad.optim, total_steps=10))
+    assert str(exc.value).startswith("train.deepspeed:") and "overlap_comms" in str(exc.value)  # the key, the bad one
 
 
 @pytest.mark.parametrize("key,field", [("zero_optimization: {stage: 3}", "train.zero_stage"),

@@ -130,9 +130,9 @@ def test_a_checkpoint_file_linked_outside_is_refused_naming_it_before_torch_load
     with pytest.raises(UnsafeCheckpointError, match=named):  # what restore runs on every rank before loading
         checkpoints.verify_checkpoint_files(ckpt)
     run = storage.Location.of(ckpt.parent)
-    with pytest.raises(RuntimeError, match=f"no checkpoint of .* passes verification, and Ray Train had registered "
-                                           f"{ckpt.name}"):
+    with pytest.raises(RuntimeError) as err:
         checkpoints.resume_point(run, registered_through=ckpt.name)
+    assert f"registered {ckpt.name}" in str(err.value)  # the checkpoint Ray Train's record names
     assert not (tmp_path / "out").exists() and loads == []
 
 
@@ -212,8 +212,8 @@ def test_a_card_with_a_wrong_field_and_a_matching_checksum_fails_verify_and_expo
     resummed(ckpt)
     assert main(["checkpoints", "verify", str(ckpt.parent)]) == 1
     out = capsys.readouterr().out
-    assert f"1 error(s) in {ckpt / checkpoints.CARD_FILE}" in out and problem in out
-    assert "1 of the checkpoints failed verification" in out
+    assert f"{ckpt / checkpoints.CARD_FILE}" in out and problem in out
+    assert "1 of the checkpoints failed" in out
     assert main(export_cli(ckpt, tmp_path / "out" / "model.pt")) == 2
     err = capsys.readouterr().err
     assert problem in err and "Traceback" not in err and not (tmp_path / "out").exists()
@@ -234,12 +234,13 @@ def test_an_export_card_with_a_wrong_field_is_refused_naming_it(tmp_path, model,
     weights = make_export(tmp_path, model)
     card_file = weights.with_suffix(".json")
     card_file.write_text(json.dumps(json.loads(card_file.read_text()) | {"unimodal_heads": "no"}))
-    with pytest.raises(UnsafeCheckpointError, match=rf"error\(s\) in {card_file}:\n  unimodal_heads: Input should be "
-                                                    "a valid boolean"):
+    with pytest.raises(UnsafeCheckpointError) as err:
         retrieval.load_exported(weights)
-    with pytest.raises(ConfigError, match="(?s)model.init_from: .*model.json:\n  unimodal_heads: Input should be "
-                                          "a valid boolean"):
+    assert str(card_file) in str(err.value) and "\n  unimodal_heads:" in str(err.value)  # the card, the field
+    with pytest.raises(ConfigError) as err:
         checkpoints.check_init_from(ModelConfig(crossmodal_heads=True, init_from=weights))
+    assert str(err.value).startswith("model.init_from:") and str(card_file) in str(err.value)
+    assert "\n  unimodal_heads:" in str(err.value)
     assert loads == []
 
 
@@ -285,8 +286,9 @@ def test_a_heads_file_the_export_card_does_not_sum_is_refused(tmp_path, model, l
     edited = json.loads(card_file.read_text())
     edited["sha256"]["heads"] = None
     card_file.write_text(json.dumps(edited))
-    with pytest.raises(UnsafeCheckpointError, match="model.heads.pt: a heads file the card has no checksum for"):
+    with pytest.raises(UnsafeCheckpointError) as err:
         retrieval.load_exported(weights)
+    assert "model.heads.pt:" in str(err.value) and "checksum" in str(err.value)  # the file, what it lacks
     assert loads == []
 
 

@@ -46,8 +46,9 @@ def crafted_checkpoint(root: Path, marker: Path) -> Path:
 def test_a_crafted_checkpoint_is_refused_and_nothing_runs(tmp_path, capsys):
     marker = tmp_path / "pwned"
     checkpoint = crafted_checkpoint(tmp_path, marker)
-    with pytest.raises(checkpoints.UnsafeCheckpointError, match="mp_rank_00_model_states.pt: refused to load"):
+    with pytest.raises(checkpoints.UnsafeCheckpointError) as err:
         checkpoints.export_checkpoint(checkpoint, tmp_path / "out" / "model.pt")
+    assert "mp_rank_00_model_states.pt: refused" in str(err.value)
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "out" / "model.pt")]) == 2
     assert "refused to load" in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out" / "model.pt").exists()
@@ -141,8 +142,9 @@ def test_resume_skips_failed_saves_and_refuses_only_damaged_finished_work(tmp_pa
     assert checkpoints.resume_point(run, registered_through=second.name).name == second.name
     assert checkpoints.resume_point(run, registered_through=first.name).name == first.name  # a failed save
     (first / checkpoints.CHECKPOINT_TAG / "zero_pp_rank_0.pt").write_bytes(b"")
-    with pytest.raises(RuntimeError, match=f"Ray Train had registered {first.name} .*move the run directory aside"):
+    with pytest.raises(RuntimeError) as err:
         checkpoints.resume_point(run, registered_through=first.name)
+    assert f"registered {first.name}" in str(err.value) and "move the run directory aside" in str(err.value)  # remedy
     assert checkpoints.resume_point(run) is None  # nothing registered: every one a failed save, start over
     shutil.rmtree(first)
     shutil.rmtree(second)
@@ -175,7 +177,7 @@ def test_the_best_checkpoint_is_chosen_from_every_card_and_must_verify(tmp_path)
         assert best.name == second.name  # trusted: Ray Train registered it
     with checkpoints.best_checkpoint(run, "val/rsum", "max", registered_through=first.name) as (best, _):
         assert best.name == first.name  # newer than Ray Train's record: a failed save
-    with pytest.raises(FileNotFoundError, match="no checkpoint of .* with a finite val/r1 passes"):
+    with pytest.raises(FileNotFoundError, match="val/r1"):  # the metric no checkpoint has a finite value of
         with checkpoints.best_checkpoint(run, "val/r1", "max"):
             pass
 
@@ -201,11 +203,13 @@ def test_a_directory_that_is_no_checkpoint_is_refused_at_once_not_walked(tmp_pat
     """``/`` has neither a model card nor ``deepspeed/``: refused by those two names alone, in
     export, ``model.init_from`` and ``checkpoints verify``, none of them walking what is under it."""
     started = time.monotonic()
-    with pytest.raises(InputError, match=r"^/: .*not a pairsim checkpoint \(neither pairsim_model.json nor deepspeed/"):
+    with pytest.raises(InputError) as err:
         checkpoints.export_checkpoint(Path("/"), tmp_path / "model.pt")
-    with pytest.raises(ConfigError, match="model.init_from: /: .*not a pairsim checkpoint"):
+    assert str(err.value).startswith("/:") and checkpoints.NOT_A_CHECKPOINT in str(err.value)
+    with pytest.raises(ConfigError) as err:
         checkpoints.check_init_from(ModelConfig(init_from=Path("/")))
-    with pytest.raises(InputError, match="^/: neither a checkpoint nor a run directory"):
+    assert str(err.value).startswith("model.init_from: /:") and checkpoints.NOT_A_CHECKPOINT in str(err.value)
+    with pytest.raises(InputError, match="^/: neither"):  # refused by its name alone
         checkpoints.inventory("/")
     assert time.monotonic() - started < 1
     assert main(["export", "--checkpoint", "/", "--out", str(tmp_path / "model.pt")]) == 2

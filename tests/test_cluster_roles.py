@@ -40,18 +40,24 @@ def test_a_users_own_labels_and_placement_off():
     ("auto", [HEAD, node(0, **{"pairsim-role": "train"}), DATA], "pairsim-role=train"),  # no CPU there
 ])
 def test_a_role_with_no_node_is_refused_naming_the_label(placement, nodes, missing):
-    with pytest.raises(ConfigError, match=f"no alive node with CPUs is labelled {missing} .*placement=off"):
+    with pytest.raises(ConfigError) as exc:
         cluster.node_roles(NodeRolesConfig(placement=placement), nodes)
+    message = str(exc.value)  # the key, the labels no node has, the way out
+    assert message.startswith("ray.node_roles:") and f"labelled {missing} " in message and "placement=off" in message
 
 
 def test_the_cpu_budget_of_nodes_by_role():
     roles = cluster.node_roles(NodeRolesConfig(), [HEAD, TRAIN, DATA])
     cfg = RunConfig.model_validate({"train": {"num_workers": 4, "cpus_per_worker": 1}, "data": {"cpus_per_task": 8}})
     cluster.check_cpu_budget(cfg, roles)  # 4 training CPUs on the train node, 8 on the data node: both fit
-    with pytest.raises(ConfigError, match="= 5, more than the 4 CPUs of the nodes labelled pairsim-role=train"):
+    with pytest.raises(ConfigError) as exc:
         cluster.check_cpu_budget(cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_workers": 5})}), roles)
-    with pytest.raises(ConfigError, match="data.cpus_per_task = 9, more than the 8 CPUs .* pairsim-role=data"):
+    message = str(exc.value)  # the need, the CPUs there are, the role
+    assert "train.cpus_per_worker = 5" in message and "4 CPUs" in message and "pairsim-role=train" in message
+    with pytest.raises(ConfigError) as exc:
         cluster.check_cpu_budget(cfg.model_copy(update={"data": cfg.data.model_copy(update={"cpus_per_task": 9})}), roles)
+    message = str(exc.value)
+    assert "data.cpus_per_task = 9" in message and "8 CPUs" in message and "pairsim-role=data" in message
 
 
 @pytest.mark.parametrize("bad", [{"label": "-x"}, {"train": "a b"}, {"data": "x" * 64}, {"placement": "always"}])

@@ -122,8 +122,9 @@ def test_bad_loss_settings_are_rejected_naming_the_field(override, field):
 
 
 def test_cusa_without_a_teacher_is_rejected_with_its_remedy():
-    with pytest.raises(ConfigError, match=r"loss\.cusa: .*CUSA needs teachers: set image_teacher"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.cusa={alpha: 0.1}"])
+    assert exc.value.keys == ("loss.cusa.image_teacher",) and "teacher_features" in str(exc.value)  # the remedy
     # teacher features from disk replace live teachers
     assert load_config(None, ["loss.cusa={teacher_features: /data/teacher}"]).loss.cusa.image_teacher is None
 
@@ -132,7 +133,7 @@ def test_credentials_in_the_ray_address_are_refused_and_masked():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["ray.address=ray://alice:ray-secret-3b7f@head:10001"])
     message = str(err.value)
-    assert "ray.address: Value error, ray://alice:***@head:10001: credentials do not belong in the address" in message
+    assert err.value.keys == ("ray.address",) and "ray://alice:***@head:10001" in message
     assert "ray-secret-3b7f" not in message
     assert load_config(None, ["ray.address=ray://head:10001"]).ray.address == "ray://head:10001"
 
@@ -169,7 +170,7 @@ def test_evaluate_and_export_name_a_missing_model_or_split(tmp_path, tiny_datase
     missing = tmp_path / "mlflwo.db"  # a mistyped store: named, and not made empty
     for command in (["export", "--out", str(tmp_path / "m.pt")], ["evaluate", "--data", str(tiny_dataset)]):
         assert main([*command, "--run-id", "0123abcd", "--tracking-uri", f"sqlite:///{missing}"]) == 2
-        assert f"no MLflow store at sqlite:///{missing} (no such file" in capsys.readouterr().err
+        assert f"sqlite:///{missing}" in capsys.readouterr().err
     assert not missing.exists()
 
 
@@ -227,10 +228,20 @@ def test_synth_with_no_split_to_write_is_refused_in_one_line(tmp_path, capsys, r
     assert not out.exists()
 
 
+def test_a_config_error_names_its_keys_and_keeps_them_through_pickling():
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["model.lock_image_unlocked_groups=2", "optim.lr=x"])
+    assert exc.value.keys == ("model.lock_image_unlocked_groups", "optim.lr")
+    copy = pickle.loads(pickle.dumps(exc.value))  # as Ray ships it between processes
+    assert (type(copy), str(copy), copy.keys) == (ConfigError, str(exc.value), exc.value.keys)
+    assert ConfigError("no key").keys == ()
+
+
 def test_param_of_another_loss_names_the_chosen_ones_parameters():
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.base=infonce", "loss.base.margin=1.5"])
-    assert "loss.base.margin: not a key of loss.base 'infonce' (its keys: temperature;" in str(exc.value)
+    assert exc.value.keys == ("loss.base.margin",)
+    assert "'infonce'" in str(exc.value) and "temperature" in str(exc.value)  # the base chosen, its own keys
     assert str(exc.value).startswith("1 error(s)")
 
 
@@ -238,8 +249,8 @@ def test_keys_no_entry_knows_stay_unknown_and_unknown_names_list_the_registered(
     with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.base=circle", "loss.base.margin=0.3", "loss.colour=red"])
     message = str(exc.value)
-    assert "loss.colour: unknown key" in message
-    assert "loss.base.name: not a registered name (registered: infonce, unified, triplet_hn" in message
+    assert exc.value.keys == ("loss.base.name", "loss.colour")
+    assert "infonce, unified, triplet_hn" in message  # the registered names
     assert message.startswith("2 error(s)")  # margin is not reported against an unknown base
 
 
@@ -293,10 +304,12 @@ def test_a_layer_that_names_another_base_replaces_its_whole_subsection(tmp_path)
     starts from that part's own defaults; a key written in the same layer is still refused."""
     assert load_config(DEMO_CONFIG, ["loss.base=infonce"]).flat()["loss.base.temperature.init"] == 0.05
     assert load_config(DEMO_CONFIG, ["loss.base=triplet_hn"]).loss.base.margin == 0.2  # its own default
-    with pytest.raises(ConfigError, match=r"loss\.base\.margin: not a key of loss\.base 'infonce'.*'unified'"):
+    with pytest.raises(ConfigError) as exc:
         load_config(DEMO_CONFIG, ["loss.base=infonce", "loss.base.margin=0.3"])
-    with pytest.raises(ConfigError, match=r"loss\.base\.gamma: not a key of loss\.base 'triplet_hn'"):
+    assert exc.value.keys == ("loss.base.margin",) and "'infonce'" in str(exc.value) and "'unified'" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
         load_config(write(tmp_path, {"loss": {"base": {"name": "triplet_hn", "gamma": 30}}}))
+    assert exc.value.keys == ("loss.base.gamma",) and "'triplet_hn'" in str(exc.value)
 
 
 def test_loading_a_config_imports_no_torch_and_registers_nothing():
@@ -315,9 +328,12 @@ def test_loading_a_config_imports_no_torch_and_registers_nothing():
     ({"margin": 0.3}, {"base": {"margin": 0.3}}),
 ])
 def test_the_flat_loss_keys_of_the_last_release_still_read_with_a_warning_naming_the_new_key(tmp_path, flat, nested):
-    with pytest.warns(FutureWarning, match=r"loss\.(margin|temperature|gcl_mask_self) is deprecated.*loss\."
-                                           r"(base\.margin|base\.temperature|structure\.mask_self)"):
+    with pytest.warns(FutureWarning) as warned:
         old = load_config(write(tmp_path, {"loss": flat}))
+    moved = {"loss.margin": "loss.base.margin", "loss.temperature": "loss.base.temperature",
+             "loss.gcl_mask_self": "loss.structure.mask_self"}
+    said = [str(w.message) for w in warned]  # a warning naming an old key and its new one
+    assert any(f"{old_key} " in m and new_key in m for m in said for old_key, new_key in moved.items()), said
     assert old == load_config(write(tmp_path, {"loss": nested}))
 
 
@@ -325,8 +341,10 @@ def test_a_part_named_alone_or_with_its_keys_is_the_same_part():
     assert load_config(None, ["loss.base=unified"]) == load_config(None, ["loss.base={name: unified}"]) == RunConfig()
     by_set = load_config(None, ["loss.base.temperature.init=0.07", "loss.base=infonce"])
     assert by_set == load_config(None, ["loss.base={name: infonce, temperature: {init: 0.07}}"])
-    with pytest.raises(ConfigError, match=r"loss\.base\.name: not a registered name \(registered: infonce, unified"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.base={name: infonse}"])
+    assert exc.value.keys == ("loss.base.name",) and "'infonse'" in str(exc.value)
+    assert "infonce, unified" in str(exc.value)  # the registered names
 
 
 def test_shards_build_flags_are_build_configs_fields_with_their_help_and_defaults(tmp_path):
@@ -379,6 +397,7 @@ def test_every_command_names_the_function_that_runs_it():
 
 
 def test_compile_under_zero3_is_refused_naming_the_fields():
-    with pytest.raises(ConfigError, match=r"train\.compile: .*torch\.compile of the towers does not run under zero_stage 3"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, ["train.compile=true", "train.zero_stage=3"])
+    assert exc.value.keys == ("train.compile",) and "zero_stage 3" in str(exc.value)
     assert load_config(None, ["train.compile=true", "train.zero_stage=2"]).train.compile

@@ -76,16 +76,20 @@ def test_a_file_that_is_no_config_is_not_echoed(tmp_path):
 @pytest.mark.parametrize("uri", ["file:///etc", "javascript:alert(1)", "./mlruns", "ftp://host/x"])
 def test_a_tracking_uri_mlflow_does_not_serve_is_refused_before_ray(uri, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"tracking.tracking_uri: .*not an MLflow tracking store; use one of http://"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, [f"tracking.tracking_uri={uri}"])
+    assert exc.value.keys == ("tracking.tracking_uri",)
+    assert f"{uri}:" in str(exc.value) and "http://, https://, sqlite://" in str(exc.value)  # the URI, the stores offered
     run = tmp_path / "run.yaml"
     run.write_text(f"tracking: {{tracking_uri: '{uri}'}}\n")
     assert cli.main(["train", "--config", str(run)]) == 2
-    assert "not an MLflow tracking store" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "tracking.tracking_uri" in err and f"{uri}:" in err
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     from pairsim.tracking import resolve_tracking_uri
-    with pytest.raises(ConfigError, match=r"MLFLOW_TRACKING_URI: .*not an MLflow tracking store"):
+    with pytest.raises(ConfigError) as exc:
         resolve_tracking_uri(None)
+    assert str(exc.value).startswith(f"MLFLOW_TRACKING_URI: {uri}:") and "sqlite://" in str(exc.value)
     assert list(tmp_path.iterdir()) == [run]  # nothing written (no mlartifacts/, no mlruns/)
 
 
@@ -112,8 +116,9 @@ def test_oversized_and_too_deeply_nested_source_records_are_counted_rejects(tmp_
     assert "nested too deeply" in listing.rejects[0].detail
     karpathy = tmp_path / "dataset_coco.json"
     karpathy.write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(sources.SourceError, match=r"dataset_coco.json: not a Karpathy split file .*nested too deeply"):
+    with pytest.raises(sources.SourceError) as exc:
         sources.list_source("karpathy", karpathy, None, "train")
+    assert str(karpathy) in str(exc.value) and "nested too deeply" in str(exc.value)
 
 
 def test_a_build_into_a_folder_that_is_not_a_pairsim_dataset_is_refused_and_leaves_it_alone(tmp_path):
@@ -143,7 +148,7 @@ def test_inspect_checks_every_shard_and_writes_nothing_into_the_dataset(tmp_path
     synth.generate(data, num_train=40, num_val=8, num_test=0, rows_per_shard=10, progress=False)
     before = sorted(p.relative_to(data) for p in data.rglob("*"))
     report = shards.inspect(data)
-    assert "train" in report and "contact sheet: --sheet PATH draws one" in report
+    assert "train" in report and "--sheet" in report  # how to draw the contact sheet
     assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
     assert cli.main(["shards", "inspect", str(data), "--sheet", str(tmp_path / "sheet.png")]) == 0
     assert (tmp_path / "sheet.png").is_file()
@@ -151,7 +156,8 @@ def test_inspect_checks_every_shard_and_writes_nothing_into_the_dataset(tmp_path
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # truncated
     capsys.readouterr()
     assert cli.main(["shards", "inspect", str(data)]) == 1
-    assert f"{victim}: not a readable Parquet shard" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{victim}:" in err and "Parquet" in err
     victim.unlink()  # deleted
     assert cli.main(["shards", "inspect", str(data)]) == 1
     assert "manifest lists 4 shards, found 3" in capsys.readouterr().err
@@ -166,9 +172,10 @@ def test_a_manifest_from_a_newer_format_is_refused_naming_the_field(tmp_path):
     synth.generate(data, num_train=8, num_val=4, num_test=0, progress=False)
     manifest = json.loads((data / "manifest.json").read_text())
     (data / "manifest.json").write_text(json.dumps(manifest | {"schema_version": 99, "new_field": 1}))
-    with pytest.raises(shards.ShardError, match=r"manifest.json: not a pairsim manifest \(schema_version: Input should "
-                                                r"be less than or equal to 1\)"):
+    with pytest.raises(shards.ShardError) as exc:
         shards.read_manifest(data)
+    message = str(exc.value)  # the file, the field, its bound
+    assert str(data / "manifest.json") in message and "schema_version" in message and "equal to 1" in message
 
 
 def test_shards_verify_names_a_shard_whose_bytes_or_hash_differ_from_the_manifest(tmp_path, capsys):
@@ -191,7 +198,7 @@ def test_shards_verify_names_a_shard_whose_bytes_or_hash_differ_from_the_manifes
     shards.verify_split(data, "train", shards.read_manifest(data))  # what a run checks before Ray: footers and rows
     assert cli.main(["shards", "verify", str(data)]) == 1
     out = capsys.readouterr().out
-    assert f"{victim}: content differs from its SHA-256 in the manifest" in out
+    assert any(line.strip().startswith(f"{victim}:") and "SHA-256" in line for line in out.splitlines()), out
     assert "val: 1 shards, 8 images — verified" in out
     assert "train: 4 shards, 40 images — FAILED" in out and "1 of 2 failed verification" in out
 
@@ -201,8 +208,10 @@ def test_shards_verify_names_a_shard_whose_bytes_or_hash_differ_from_the_manifes
     (tmp_path / "fresh" / "manifest.json").write_text(json.dumps(manifest))
     assert cli.main(["shards", "verify", str(tmp_path / "fresh")]) == 1
     out = capsys.readouterr().out
-    assert "train: its shards differ from the manifest's content hash" in out
-    assert "manifest.json: content_hash is not that of its splits" in out
+    fresh = tmp_path / "fresh"
+    assert any(line.strip().startswith(f"{fresh / 'train'}:") and "content hash" in line for line in out.splitlines()), out
+    assert any(line.strip().startswith(f"{fresh / 'manifest.json'}:") and "content_hash" in line
+               for line in out.splitlines()), out
 
     for split in manifest["splits"].values():  # a manifest written before per-shard SHA-256s: the split's hash decides
         del split["shard_sha256"]
@@ -213,4 +222,4 @@ def test_shards_verify_names_a_shard_whose_bytes_or_hash_differ_from_the_manifes
     capsys.readouterr()
     (tmp_path / "fresh" / "train" / victim.name).write_bytes(bytes(raw))
     assert cli.main(["shards", "verify", str(tmp_path / "fresh")]) == 1
-    assert "this manifest lists no per-shard SHA-256" in capsys.readouterr().out
+    assert "per-shard SHA-256" in capsys.readouterr().out

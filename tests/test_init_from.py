@@ -60,30 +60,40 @@ def test_initial_weights_make_the_same_embeddings_as_the_source(tmp_path):
 
 
 def test_missing_and_plain_files_are_named(tmp_path):
-    with pytest.raises(ConfigError, match=r"model.init_from: .*nowhere.pt: no such file"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "nowhere.pt"))
+    assert str(exc.value).startswith("model.init_from:") and f"{tmp_path / 'nowhere.pt'}: no such file" in str(exc.value)
     model = retrieval.create_retrieval_model(ModelConfig())
     torch.save(retrieval.open_clip_state(model.state_dict()), tmp_path / "plain.pt")
-    with pytest.raises(ConfigError, match="no model card .* goes in model.pretrained"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "plain.pt"))
+    assert str(tmp_path / "plain.pt") in str(exc.value) and "model.pretrained" in str(exc.value)  # where it goes
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="model.init_from: .*empty: .*not a pairsim checkpoint"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "empty"))
+    assert str(exc.value).startswith("model.init_from:") and str(tmp_path / "empty") in str(exc.value)
+    assert checkpoints.NOT_A_CHECKPOINT in str(exc.value)
     (tmp_path / "empty" / "deepspeed").mkdir()
-    with pytest.raises(ConfigError, match="model.init_from: .*empty: the checkpoint does not verify: no pairsim_model"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "empty"))
+    assert str(exc.value).startswith("model.init_from:") and str(tmp_path / "empty") in str(exc.value)
+    assert checkpoints.NOT_A_CHECKPOINT not in str(exc.value) and checkpoints.CARD_FILE in str(exc.value)  # what it lacks
 
 
 def test_another_architecture_is_refused_by_its_card_and_by_its_weights(tmp_path):
     export(tmp_path / "model.pt", seed=0)
     checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "model.pt"))  # the right one passes
-    with pytest.raises(ConfigError, match="holds a pairsim-tiny model, not the configured model.arch 'ViT-B-32'"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(arch="ViT-B-32", init_from=tmp_path / "model.pt"))
+    assert str(exc.value).startswith("model.init_from:")
+    assert "pairsim-tiny" in str(exc.value) and "model.arch 'ViT-B-32'" in str(exc.value)  # the card's, the config's
     card = json.loads((tmp_path / "model.json").read_text())
     card["model"]["arch"] = "ViT-B-32"  # a card edited to claim what the weights are not
     (tmp_path / "model.json").write_text(json.dumps(card))
-    with pytest.raises(ConfigError, match="its open_clip weights do not fit ViT-B-32"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(arch="ViT-B-32", init_from=tmp_path / "model.pt"))
+    assert str(exc.value).startswith("model.init_from:") and "ViT-B-32" in str(exc.value)
+    assert "pairsim-tiny" not in str(exc.value) and "tensors missing" in str(exc.value)  # the weights, not the card
 
 
 class RunsCode:
@@ -107,16 +117,18 @@ def test_a_crafted_pickle_is_refused_and_nothing_in_it_runs(tmp_path):
     card = json.loads((tmp_path / "model.json").read_text())
     card["sha256"]["weights"] = hashlib.sha256((tmp_path / "model.pt").read_bytes()).hexdigest()  # and its checksum
     (tmp_path / "model.json").write_text(json.dumps(card))
-    with pytest.raises(ConfigError, match="model.init_from: .*model.pt: refused to load.*nothing in it was run"):
+    with pytest.raises(ConfigError) as exc:
         checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "model.pt"))
+    assert str(exc.value).startswith("model.init_from:") and f"{tmp_path / 'model.pt'}: refused" in str(exc.value)
     assert not os.path.exists(MARKER)
     with pytest.raises(pickle.UnpicklingError):  # the file does carry code: the refusal is what stops it
         torch.load(tmp_path / "model.pt", weights_only=True)
 
 
 def test_init_from_and_pretrained_are_one_or_the_other(tmp_path):
-    with pytest.raises(ConfigError, match="model.init_from and model.pretrained both"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, [f"model.init_from={tmp_path}/model.pt", "model.pretrained=openai"])
+    assert exc.value.keys == ("model.init_from", "model.pretrained")
 
 
 def test_a_bad_init_from_stops_a_run_before_ray_starts(tmp_path, tiny_dataset, capsys, monkeypatch):
@@ -132,7 +144,7 @@ def test_a_bad_init_from_stops_a_run_before_ray_starts(tmp_path, tiny_dataset, c
     # a relative path is resolved against the working directory, as every local path is
     monkeypatch.chdir(tmp_path)
     assert main([*args, "--set", "model.init_from=missing/model.pt"]) == 2
-    assert f"{tmp_path}/missing/model.pt: no such file" in capsys.readouterr().err
+    assert f"{tmp_path}/missing/model.pt" in capsys.readouterr().err  # resolved against the working directory
 
 
 def test_initial_student_teacher_starts_from_init_from(tmp_path):

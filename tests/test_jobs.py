@@ -114,16 +114,16 @@ def test_paths_that_point_nowhere_are_refused_naming_the_key_and_where_they_reso
                                                                                      tiny_dataset):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("")
-    with pytest.raises(ConfigError, match=f"config file not found: run.yaml .*: {tmp_path / 'run.yaml'}"):
+    with pytest.raises(ConfigError) as exc:
         load_config("run.yaml")
-    refusals = {
-        "data.path=nowhere": f"data.path: no dataset at {tmp_path / 'nowhere'}",
-        "ray.storage_path=afile/runs": f"ray.storage_path: {tmp_path / 'afile/runs'}: cannot be created or written "
-                                       f"\\({tmp_path / 'afile'} is a file\\)",
-        "model.pretrained=w/model.pt": f"model.pretrained: 'w/model.pt' is neither a file \\(there is none at "
-                                       f"{tmp_path / 'w/model.pt'}\\)",
+    assert "run.yaml" in str(exc.value) and str(tmp_path / "run.yaml") in str(exc.value)  # as given, as resolved
+    refusals = {  # the key, and the facts its refusal names: where the path resolved, what is in the way
+        "data.path=nowhere": ("data.path", [str(tmp_path / "nowhere")]),
+        "ray.storage_path=afile/runs": ("ray.storage_path", [str(tmp_path / "afile/runs"), f"({tmp_path / 'afile'} is a file)"]),
+        "model.pretrained=w/model.pt": ("model.pretrained", ["'w/model.pt'", str(tmp_path / "w/model.pt")]),
     }
-    for override, message in refusals.items():
+    for override, (key, facts) in refusals.items():
         cfg = load_config(None, [f"data.path={tiny_dataset}", override]).with_absolute_paths()
-        with pytest.raises(ConfigError, match=message):
+        with pytest.raises(ConfigError) as exc:
             driver.plan_run(cfg)
+        assert str(exc.value).startswith(f"{key}:") and all(fact in str(exc.value) for fact in facts), str(exc.value)

@@ -52,9 +52,11 @@ def where(request, tmp_path) -> Location:
 def test_a_second_holder_is_refused_naming_the_first_until_it_releases(where):
     path = where / "run-a" / "pairsim-run.lock"
     first = locks.acquire(path, "ray.run_name 'run-a'")
-    with pytest.raises(locks.NameInUse, match=rf"ray.run_name 'run-a' is in use by .*@{socket.gethostname()} "
-                                              rf"pid {os.getpid()} since .*lock: {path}"):
+    with pytest.raises(locks.NameInUse) as refused:
         locks.acquire(path, "ray.run_name 'run-a'")
+    message = str(refused.value)  # the name, the holder's host and pid, the lock
+    assert message.startswith("ray.run_name 'run-a'") and f"@{socket.gethostname()} pid {os.getpid()} " in message
+    assert str(path) in message
     assert json.loads(path.read_text())["pid"] == os.getpid()
     first.release()
     assert not path.is_file()
@@ -95,9 +97,10 @@ def test_the_holder_keeps_its_heartbeat_and_never_removes_a_lock_taken_from_it(t
 def test_something_else_in_the_locks_place_is_named_not_overwritten(tmp_path):
     path = tmp_path / "y.lock"
     path.write_text("my notes")
-    with pytest.raises(locks.NameInUse, match=r"^y: not a readable pairsim lock: .*y.lock: not JSON .*; "
-                                              r"if no run holds it, delete it$"):
+    with pytest.raises(locks.NameInUse) as refused:
         locks.acquire(Location.of(path), "y")
+    message = str(refused.value)
+    assert message.startswith("y:") and f"{path}: not JSON" in message and "delete it" in message  # the remedy
     assert path.read_text() == "my notes"
 
 
@@ -115,8 +118,9 @@ def test_a_lock_with_a_field_of_another_type_is_refused_in_one_line_naming_it(tm
     path = Location.of(tmp_path / "z.lock")
     lock_file(path, host=socket.gethostname(), **fields)
     written = path.read_bytes()
-    with pytest.raises(locks.NameInUse, match=f"^z: not a readable pairsim lock: 1 error\\(s\\) in {path}") as refused:
+    with pytest.raises(locks.NameInUse) as refused:
         locks.acquire(path, "z")
+    assert str(refused.value).startswith("z:") and f"1 error(s) in {path}" in str(refused.value)
     assert problem in str(refused.value) and "\n" not in str(refused.value)
     assert path.read_bytes() == written
 
@@ -137,15 +141,16 @@ def test_a_lock_of_another_shape_or_size_is_refused_in_one_line(tmp_path, conten
 def test_a_lock_in_a_place_that_cannot_be_written_is_refused_naming_it(tmp_path):
     (tmp_path / "a-file").write_text("")
     under_a_file = Location.of(tmp_path / "a-file" / "run" / "pairsim-run.lock")
-    with pytest.raises(InputError, match=f"ray.run_name 'r': the lock {under_a_file} cannot be created"):
+    with pytest.raises(InputError) as refused:
         locks.acquire(under_a_file, "ray.run_name 'r'")
+    assert str(refused.value).startswith("ray.run_name 'r':") and str(under_a_file) in str(refused.value)
     read_only = tmp_path / "read-only"
     read_only.mkdir(mode=0o555)
     if os.access(read_only, os.W_OK):
         pytest.skip("this user writes into read-only directories (root)")
-    with pytest.raises(InputError, match=f"the lock {read_only}/run/pairsim-run.lock cannot be created "
-                                         r"\(Permission denied\)"):
+    with pytest.raises(InputError) as refused:
         locks.acquire(read_only / "run" / "pairsim-run.lock", "ray.run_name 'r'")
+    assert f"{read_only}/run/pairsim-run.lock" in str(refused.value) and "Permission denied" in str(refused.value)
 
 
 def run_yaml(tiny_dataset, tmp_path) -> Path:
@@ -163,13 +168,16 @@ def test_a_run_sweep_or_build_on_a_held_name_is_refused_before_ray_starts(tiny_d
     storage, run = tmp_path / "runs", run_yaml(tiny_dataset, tmp_path)
     with locks.hold(Location.of(storage) / "same" / driver.RUN_LOCK, "another run"):
         started = time.monotonic()
-        with pytest.raises(locks.NameInUse, match=rf"ray.run_name 'same' is in use by .* pid {os.getpid()}"):
+        with pytest.raises(locks.NameInUse) as refused:
             driver.fit(load_config(run))
+        assert str(refused.value).startswith("ray.run_name 'same'") and f" pid {os.getpid()} " in str(refused.value)
         assert cli.main(["train", "--config", str(run)]) == 2
         assert time.monotonic() - started < 30
-    assert "pairsim: ray.run_name 'same' is in use by" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("pairsim: ray.run_name 'same'") and f" pid {os.getpid()} " in err
     assert cli.main(["train", "--config", str(run), "--resume"]) == 2  # nothing to resume: refused, lock let go
-    assert "--resume: no run 'same' in experiment 'pairsim'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--resume:" in err and "'same'" in err and "'pairsim'" in err  # the flag, the run, the experiment
     assert not (storage / "same" / driver.RUN_LOCK).exists()
     assert tracking.previous_attempt(f"sqlite:///{tmp_path}/mlflow.db", "pairsim", "same") is None
 
@@ -202,17 +210,22 @@ def test_a_finished_runs_name_continues_it_only_with_resume(tmp_path, capsys):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = load_config(None, [f"tracking.tracking_uri={uri}"])
     driver.check_resume(cfg, "new", resume=False)
-    with pytest.raises(ConfigError, match=r"--resume: no run 'new' in experiment 'pairsim' of sqlite:///.* to resume"):
+    with pytest.raises(ConfigError) as refused:
         driver.check_resume(cfg, "new", resume=True)
+    message = str(refused.value)
+    assert message.startswith("--resume:") and "'new'" in message and "'pairsim'" in message and uri in message
     client = MlflowClient(uri)
     experiment = new_experiment(uri, "pairsim")
+    run_ids = {}
     for name, status in (("done", "FINISHED"), ("stopped", "KILLED"), ("crashed", "FAILED")):
         run = client.create_run(experiment, tags={tracking.RUN_NAME_TAG: name})
         client.set_terminated(run.info.run_id, status)
-    with pytest.raises(ConfigError, match=r"ray.run_name: 'done' is a finished run \(MLflow run \w+ in experiment "
-                                          r"'pairsim' of .*, ended .*\); to continue it .* add --resume; for a new run "
-                                          r"choose another ray.run_name"):
+        run_ids[name] = run.info.run_id
+    with pytest.raises(ConfigError) as refused:
         driver.check_resume(cfg, "done", resume=False)
+    message = str(refused.value)  # the key, the run and where it is, the two ways on
+    assert message.startswith("ray.run_name: 'done'") and run_ids["done"] in message and "'pairsim'" in message
+    assert "--resume" in message and "another ray.run_name" in message
     driver.check_resume(cfg, "done", resume=True)
     driver.check_resume(cfg, "stopped", resume=False)  # a stopped or failed run's name resumes it
     driver.check_resume(cfg, "crashed", resume=False)

@@ -137,14 +137,18 @@ def test_check_ready_refuses_a_metric_the_val_data_cannot_give(tiny_dataset, tmp
     for metric in ("i2i_R@1", "grid_text2fused_R@1", "t2t_median_rank", "rsum"):
         _check(tiny_dataset, metric)
     unlabelled = _copy_without_labels(tiny_dataset, tmp_path / "unlabelled", "val")
-    with pytest.raises(ConfigError, match=r"eval.select_metric: the val split .*no class labels.* gives no "
-                                          r"'i2i_R@1'; it gives .*t2t_R@1"):
+    with pytest.raises(ConfigError) as exc:
         _check(unlabelled, "i2i_R@1")
+    message = str(exc.value)  # the key, the metric asked for, why not, what the split gives instead
+    assert message.startswith("eval.select_metric:") and "'i2i_R@1'" in message and "no class labels" in message
+    assert "t2t_R@1" in message.split("'i2i_R@1'")[1]
     _check(unlabelled, "t2t_R@1")
     single = _single_caption_copy(tiny_dataset, tmp_path / "single", "val")
     for metric in ("grid_text2fused_R@1", "t2t_R@1"):
-        with pytest.raises(ConfigError, match=f"eval.select_metric: .*no image with two captions.*{metric}"):
+        with pytest.raises(ConfigError) as exc:
             _check(single, metric)
+        message = str(exc.value)
+        assert message.startswith("eval.select_metric:") and f"'{metric}'" in message and "two captions" in message
     _check(single, "i2i_R@5")
 
 
@@ -175,17 +179,21 @@ def test_the_cli_offers_exactly_the_registered_formats():
 
 
 def test_a_bad_format_is_named_with_the_registered_ones(tmp_path):
-    with pytest.raises(ConfigError, match="format: not a registered name.*karpathy, csv, webdataset, folder"):
+    with pytest.raises(ConfigError) as exc:
         BuildConfig.from_args(format="tsv", input=tmp_path, out=tmp_path)
-    with pytest.raises(sources.SourceError, match="--format 'tsv': expected one of karpathy, csv"):
+    assert exc.value.keys == ("format",) and "'tsv'" in str(exc.value)
+    assert "karpathy, csv, webdataset, folder" in str(exc.value)  # the registered names
+    with pytest.raises(sources.SourceError) as exc:
         sources.list_source("tsv", tmp_path, None, "train")
+    assert str(exc.value).startswith("--format 'tsv':") and "karpathy, csv" in str(exc.value)
 
 
 @pytest.mark.parametrize("fmt", ["karpathy", "webdataset", "folder"])
 @pytest.mark.parametrize("option", ["csv_image_key", "csv_caption_key", "csv_separator"])
 def test_csv_options_are_refused_with_another_format(tmp_path, fmt, option):
-    with pytest.raises(ConfigError, match=f"{option}: only for format csv, not '{fmt}'"):
+    with pytest.raises(ConfigError) as exc:
         BuildConfig.from_args(format=fmt, input=tmp_path, out=tmp_path, **{option: ","})
+    assert exc.value.keys == (option,) and "csv" in str(exc.value) and f"'{fmt}'" in str(exc.value)
     cfg = BuildConfig.from_args(format="csv", input=tmp_path, out=tmp_path, **{option: ","})
     assert getattr(cfg, option) == ","
     assert BuildConfig(format=fmt, input=tmp_path, out=tmp_path).csv_separator == "\t"  # defaults are not "set"
@@ -203,8 +211,9 @@ def test_list_source_passes_a_formats_own_options(tmp_path):
 
 def test_model_fusion_is_a_registered_name():
     assert load_config(None, ["model.fusion=normalized_sum"]).model.fusion in FUSIONS.names()
-    with pytest.raises(ConfigError, match="model.fusion: not a registered name.*normalized_sum"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, ["model.fusion=concat"])
+    assert exc.value.keys == ("model.fusion",) and "'concat'" in str(exc.value) and "normalized_sum" in str(exc.value)
 
 
 @pytest.mark.parametrize("facts,skipped", [

@@ -62,8 +62,10 @@ def test_train_refuses_a_param_of_another_loss(tmp_path, capsys, overrides, name
 
 
 def test_unknown_base_lists_the_registered_ones_with_the_toy():
-    with pytest.raises(ConfigError, match=r"loss\.base\.name: not a registered name \(registered: .*cos_hinge"):
+    with pytest.raises(ConfigError) as exc:
         load_config(None, ["loss.base=cos_hinges"])
+    assert exc.value.keys == ("loss.base.name",) and "'cos_hinges'" in str(exc.value)
+    assert "cos_hinge," in str(exc.value) or "cos_hinge)" in str(exc.value)  # the toy plugin among the registered
 
 
 @pytest.mark.slow

@@ -230,8 +230,9 @@ def test_each_format_keeps_good_records_and_rejects_bad_ones_with_reasons(fmt, r
 
 
 def test_too_many_rejects_fail_the_build_naming_the_reasons(ray_instance, tmp_path):
-    with pytest.raises(builder.BuildError, match=r"of the images were rejected.*corrupt image") as err:
+    with pytest.raises(builder.BuildError) as err:
         _build("csv", tmp_path, max_reject_share=0.05)
+    assert "corrupt image" in str(err.value)  # the reason
     assert "max_reject_share" in str(err.value) and "rejects.jsonl" in str(err.value)
     assert (tmp_path / "out" / shards.REJECTS).is_file()
     assert not (tmp_path / "out" / shards.MANIFEST).exists()  # nothing to train on by mistake
@@ -372,7 +373,7 @@ def test_a_held_out_share_is_seeded_and_keeps_an_images_captions_together(ray_in
     assert 3 <= len(rows["val"]) <= 18  # 10 expected of 40
     assert build(tmp_path / "b", 0)[1] == rows  # the same draw again
     assert build(tmp_path / "c", 1)[1]["val"].keys() != rows["val"].keys()
-    with pytest.raises(ConfigError, match="--val-share: .* already gives the splits train, val"):
+    with pytest.raises(ConfigError, match=r"^--val-share: .*train, val"):  # the splits the input gives
         builder.build(BuildConfig(format="karpathy", input=make_karpathy(tmp_path / "k")[0],
                                  images_root=tmp_path / "k" / "images", out=tmp_path / "k-out", val_share=0.1,
                                  max_reject_share=0.5), progress=False)
@@ -503,11 +504,14 @@ def test_a_truncated_or_foreign_shard_is_named_before_training(tmp_path):
     train = sorted((tmp_path / "d" / "train").glob("*.parquet"))
     whole = train[1].read_bytes()
     train[1].write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(ConfigError, match=rf"data.path: {train[1]}: not a readable Parquet shard"):
+    with pytest.raises(ConfigError) as err:
         driver.plan_run(cfg)
+    assert str(err.value).startswith(f"data.path: {train[1]}:") and "Parquet" in str(err.value)
     train[1].write_bytes(next((tmp_path / "d" / "val").glob("*.parquet")).read_bytes())  # 8 rows where 10 were
-    with pytest.raises(ConfigError, match=r"data.path: .*/train: the shards hold 38 images, the manifest lists 40"):
+    with pytest.raises(ConfigError) as err:
         driver.plan_run(cfg)
+    message = str(err.value)  # the split, the count found and the count listed
+    assert message.startswith(f"data.path: {tmp_path / 'd' / 'train'}:") and "38 images" in message and "40" in message
 
 
 @pytest.mark.parametrize("damage", ["not json", "a field missing", "a count that is text"])
@@ -527,11 +531,12 @@ def test_a_damaged_manifest_is_named_before_training(damage, tmp_path):
     elif damage == "a field missing":
         del manifest["splits"]["train"]["images"]
         path.write_text(json.dumps(manifest))
-        field = "splits.train.images: Field required"
+        field = "splits.train.images"
     else:
         manifest["splits"]["val"]["shards"] = "one"
         path.write_text(json.dumps(manifest))
-        field = "splits.val.shards: Input should be a valid integer"
+        field = "splits.val.shards"
     cfg = load_config(None, [f"data.path={tmp_path / 'd'}", "train.micro_batch_size=4"])
-    with pytest.raises(ConfigError, match=rf"data.path: {path}: (not a pairsim manifest \()?{field}"):
+    with pytest.raises(ConfigError) as err:
         driver.plan_run(cfg)
+    assert str(err.value).startswith(f"data.path: {path}:") and field in str(err.value)  # the file, the field

@@ -52,12 +52,14 @@ def test_uris_are_checked_and_masked_and_local_paths_made_absolute(tmp_path, mon
     cfg = load_config(None, ["data.path=s3://bucket/data", "ray.storage_path=runs"])
     assert cfg.data.path == "s3://bucket/data" and cfg.ray.storage_path == Path("runs")
     assert cfg.flat()["data.path"] == "s3://bucket/data"
-    with pytest.raises(ConfigError, match=r"ray.storage_path: ftp://host/x: unsupported scheme 'ftp'"):
+    with pytest.raises(ConfigError) as err:
         load_config(None, ["ray.storage_path=ftp://host/x"])
+    assert err.value.keys == ("ray.storage_path",) and "'ftp'" in str(err.value)
     for uri in ("s3://AKIA:hunter2@bucket/x", "s3://bucket/x?session_token=hunter2"):
-        with pytest.raises(ConfigError, match="data.path: .*credentials do not belong in the URI") as err:
+        with pytest.raises(ConfigError) as err:
             load_config(None, [f"data.path={uri}"])
-        assert "hunter2" not in str(err.value)
+        assert err.value.keys == ("data.path",) and "credentials" in str(err.value)
+        assert "hunter2" not in str(err.value) and storage.masked(uri) in str(err.value)
     with pytest.raises(ConfigError, match="out: .*credentials"):
         BuildConfig.from_args(format="csv", input=tmp_path, out="s3://k:hunter2@bucket/x")
 
@@ -72,7 +74,7 @@ def test_an_endpoint_with_credentials_in_a_uri_query_is_refused_and_masked(capsy
     assert storage.check_uri("s3://b/x?endpoint_override=127.0.0.1:9000&scheme=http")  # no credentials: taken
     assert cli.main(["doctor", "--set", f"ray.storage_path={uri}"]) == 2
     out, err = capsys.readouterr()
-    assert f"ray.storage_path: {shown}: credentials do not belong in the URI" in err
+    assert f"ray.storage_path: {shown}:" in err and "credentials" in err
     assert "hunter2" not in out + err
 
 
@@ -89,7 +91,7 @@ def test_an_s3_endpoint_with_credentials_in_the_environment_is_refused_and_maske
     assert str(err.value).startswith(f"{variable}={shown}: credentials do not belong in the endpoint")
     assert cli.main(["doctor", "--set", f"ray.storage_path={bucket}/ray"]) == 2
     out, err = capsys.readouterr()
-    assert f"ray.storage_path: {variable}={shown}: credentials do not belong in the endpoint" in err
+    assert f"ray.storage_path: {variable}={shown}:" in err and "credentials" in err
     assert "endpoint-secret-7d1e" not in out + err
 
 
@@ -134,8 +136,9 @@ def test_sweeps_keep_uris_as_written_and_refuse_object_storage_for_their_state(t
     trial = sweep.trial_config(sweep.points_to_check()[0])
     assert trial.data.path == "s3://bucket/data" and trial.ray.storage_path == tmp_path / "runs"
     sweep = load_sweep(DEMO_SWEEP, ["ray.storage_path=s3://bucket/runs"])
-    with pytest.raises(ConfigError, match="ray.storage_path: a sweep keeps its state .* not s3://bucket/runs"):
+    with pytest.raises(ConfigError) as err:
         run_sweep(sweep, "s")
+    assert err.value.keys == ("ray.storage_path",) and "s3://bucket/runs" in str(err.value)
 
 
 SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")

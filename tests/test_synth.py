@@ -160,12 +160,12 @@ def test_variants_change_exactly_one_attribute_of_the_scene():
 
 
 def test_only_val_and_test_can_be_hard(tmp_path):
-    with pytest.raises(ValueError, match="only the val and test splits can be hard, not train"):
+    with pytest.raises(ValueError, match="not train"):  # the split refused
         synth.generate(tmp_path, num_train=4, num_val=4, num_test=0, progress=False, hard_negatives=("train",))
 
 
 def test_negative_split_sizes_and_empty_shards_are_refused(tmp_path):
-    with pytest.raises(synth.SynthError, match=r"split sizes must be >= 0 \(0: no such split\), got num_val=-1"):
+    with pytest.raises(synth.SynthError, match="num_val=-1"):  # the size refused
         synth.generate(tmp_path, num_train=4, num_val=-1, num_test=0, progress=False)
     with pytest.raises(synth.SynthError, match="rows_per_shard must be >= 1, got 0"):
         synth.generate(tmp_path, num_train=4, num_val=0, num_test=0, rows_per_shard=0, progress=False)

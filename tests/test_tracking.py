@@ -153,6 +153,7 @@ def test_credentials_in_a_tracking_uri_are_refused_and_masked(monkeypatch):
 
     with pytest.raises(ConfigError) as err:
         load_config(None, ["tracking.tracking_uri=https://alice:s3cr3t@mlflow.example:5000"])
+    assert err.value.keys == ("tracking.tracking_uri",)
     assert "s3cr3t" not in str(err.value) and "MLFLOW_TRACKING_PASSWORD" in str(err.value)
     with pytest.raises(ConfigError, match=r"token=\*\*\*") as err:
         load_config(None, ["tracking.tracking_uri=https://mlflow.example/?token=abc123"])
@@ -173,17 +174,17 @@ def test_credentials_in_a_tracking_uri_from_the_environment_or_command_line_are_
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     with pytest.raises(ConfigError) as err:
         tracking.resolve_tracking_uri(None)
-    assert str(err.value).startswith(f"MLFLOW_TRACKING_URI: {shown}: credentials do not belong in the URI")
+    assert str(err.value).startswith(f"MLFLOW_TRACKING_URI: {shown}:") and "credentials" in str(err.value)
     assert "MLFLOW_TRACKING_PASSWORD" in str(err.value)
     export = ["export", "--run-id", "0" * 32, "--out", str(tmp_path / "model.pt")]
     assert cli.main(export) == 2
     console = "".join(capfd.readouterr())
-    assert f"config error: MLFLOW_TRACKING_URI: {shown}: credentials" in console and "uri-token-91c4" not in console
+    assert f"MLFLOW_TRACKING_URI: {shown}:" in console and "uri-token-91c4" not in console
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     with pytest.raises(SystemExit):
         cli.main([*export, "--tracking-uri", uri])
     console = "".join(capfd.readouterr())
-    assert f"argument --tracking-uri: {shown}: credentials" in console and "uri-token-91c4" not in console
+    assert f"--tracking-uri: {shown}:" in console and "uri-token-91c4" not in console
 
 
 def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path):
@@ -193,15 +194,18 @@ def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path
     from conftest import unused_port
     from pairsim.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"tracking.tracking_uri: no MLflow server answers at "
-                                          r"http://127.0.0.1:\d+ .*ConnectionError"):
-        tracking.check_reachable(f"http://127.0.0.1:{unused_port()}")  # nothing listens
+    port = unused_port()
+    with pytest.raises(ConfigError) as err:
+        tracking.check_reachable(f"http://127.0.0.1:{port}")  # nothing listens
+    assert str(err.value).startswith("tracking.tracking_uri:") and f"http://127.0.0.1:{port}" in str(err.value)
+    assert "ConnectionError" in str(err.value)  # what requests said
     with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         started = time.monotonic()
-        with pytest.raises(ConfigError, match=r"within 1 s \((ReadTimeout|ConnectTimeout)") as err:
+        with pytest.raises(ConfigError) as err:
             tracking.check_reachable(f"http://u:secret@127.0.0.1:{silent.getsockname()[1]}", timeout=1)
+        assert "1 s" in str(err.value) and ("ReadTimeout" in str(err.value) or "ConnectTimeout" in str(err.value))
         assert "secret" not in str(err.value)
         assert time.monotonic() - started < 5
     with pytest.raises(ConfigError, match="cannot write to /nonexistent"):

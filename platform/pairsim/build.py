@@ -50,7 +50,7 @@ def _initial_weights(modality: str, student: RunConfig) -> str | None:
     if start is not None and not Path(start).is_file():
         raise ConfigError(f"loss.cusa.{modality}_teacher: initial_student reads the open_clip weights of an export; "
                           f"model.init_from is a checkpoint directory ({start}): export it (pairsim export) and "
-                          "name its model.pt")
+                          "name its model.pt", (f"loss.cusa.{modality}_teacher", "model.init_from"))
     return str(start) if start else student.model.pretrained
 
 
@@ -108,5 +108,5 @@ def check_teachers(cfg: RunConfig) -> None:
     problems = [problem for m in MODALITIES if (teacher := getattr(cusa, f"{m}_teacher")) is not None
                 for problem in teacher.check_files(f"loss.cusa.{m}_teacher")]
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join(problems), (problem.split(":", 1)[0] for problem in problems))
     build_teachers(cfg)

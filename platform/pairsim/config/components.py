@@ -242,8 +242,8 @@ FAMILIES = {"Base losses": BASE_LOSSES, "Similarity structures": STRUCTURES, "Te
 
 def _relocated(err: ValidationError, prefix: tuple = ()) -> list[InitErrorDetails]:
     """``err``'s errors, to raise again from a wrap validator, under ``prefix``."""
-    return [{"type": PydanticCustomError(e["type"], e["msg"]), "loc": prefix + tuple(e["loc"]), "input": e["input"]}
-            for e in err.errors()]
+    return [{"type": PydanticCustomError(e["type"], e["msg"], e.get("ctx")), "loc": prefix + tuple(e["loc"]),
+             "input": e["input"]} for e in err.errors()]  # ctx keeps a KeyedValueError's keys
 
 
 def _not_a_key(error: InitErrorDetails, family: Family, name: str) -> InitErrorDetails:

@@ -3,6 +3,7 @@ section base, registered names and the error every bad config raises."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,7 +56,20 @@ def check_tracking_uri(uri: str) -> str:
 
 
 class ConfigError(InputError):
-    """A run configuration that cannot be used; the message lists every problem."""
+    """A run configuration that cannot be used; the message lists every problem, ``keys`` the dotted
+    config keys it names (``("model.lock_image_unlocked_groups",)``; empty where it names none)."""
+
+    def __init__(self, message: str, keys: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.keys: tuple[str, ...] = tuple(dict.fromkeys(keys))  # pickled with the instance's __dict__
+
+
+class KeyedValueError(ValueError):
+    """A validator's ValueError naming ``keys`` of its model (:func:`error_keys` puts them under its location)."""
+
+    def __init__(self, message: str, *keys: str) -> None:
+        super().__init__(message)
+        self.keys = keys
 
 
 class Section(BaseModel):
@@ -80,9 +94,21 @@ MAX_ERRORS_SHOWN = 20  # a file that is no config (a password file, a log) is no
 EXCERPT = 200  # characters of a key or value shown in an error
 
 
+def error_keys(err: ValidationError) -> tuple[str, ...]:
+    """The dotted keys ``err``'s errors are about: each one's location, or under it the keys a
+    :class:`KeyedValueError` names."""
+    keys = []
+    for e in err.errors():
+        loc = tuple(str(p) for p in e["loc"])
+        named = getattr(e.get("ctx", {}).get("error"), "keys", None)
+        keys += [".".join(loc + (key,)) for key in named] if named else [".".join(loc)] if loc else []
+    return tuple(keys)
+
+
 def format_errors(err: ValidationError, source: str) -> str:
     """``err`` as one message: a line per problem, each with its dotted key and the value given
-    (URIs masked), headed by how many there are and ``source``."""
+    (URIs masked), headed by how many there are and ``source``. Raise it as
+    ``ConfigError(format_errors(err, source), error_keys(err))``."""
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"])[:EXCERPT] or "<root>"

@@ -82,7 +82,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[Base
     With ``model`` (:class:`RunConfig`) each is :func:`~pairsim.config.components.upgrade`\ d and
     merged, so ``loss.base=infonce`` and ``loss.base.temperature.init=0.07`` name a part and set
     its key in either order."""
-    errors = []
+    errors, keys = [], []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -98,10 +98,12 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[Base
                 tree = merge(upgrade(tree, model), upgrade(one, model))
         except yaml.YAMLError as exc:
             errors.append(f"--set {item[:200]!r}: not valid YAML: {exc}")
+            keys.append(key.strip()[:200])
         except ValueError as exc:
             errors.append(f"--set {item[:200]!r}: {exc}")
+            keys.append(key.strip()[:200])
     if errors:
-        raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors))
+        raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors), keys)
     return tree
 
 

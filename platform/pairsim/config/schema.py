@@ -10,8 +10,8 @@ import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pairsim import storage
-from pairsim.config.fields import (Bool, ConfigError, Float, Int, PathOrUri, Section, check_tracking_uri, format_errors,
-                                   registered)
+from pairsim.config.fields import (Bool, ConfigError, Float, Int, KeyedValueError, PathOrUri, Section,
+                                   check_tracking_uri, error_keys, format_errors, registered)
 from pairsim.config.components import (BASE_LOSSES, FUSIONS, STRUCTURES, TEACHERS, BaseLossParams, Choosing,
                                        ImageTextParams, SentenceTransformersParams, StructureParams, TeacherParams,
                                        TemperatureConfig, UnifiedParams)
@@ -96,15 +96,16 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _one_source_of_weights(self) -> ModelConfig:
         if self.init_from is not None and self.pretrained is not None:
-            raise ValueError("model.init_from and model.pretrained both name starting weights; set one "
-                             "(init_from: a pairsim export or checkpoint; pretrained: an open_clip tag or weights file)")
+            raise KeyedValueError("model.init_from and model.pretrained both name starting weights; set one (init_from: "
+                                  "a pairsim export or checkpoint; pretrained: an open_clip tag or weights file)",
+                                  "init_from", "pretrained")
         return self
 
     @model_validator(mode="after")
     def _unlocked_needs_lock(self) -> ModelConfig:
         for tower, unlocked in (("image", "lock_image_unlocked_groups"), ("text", "lock_text_unlocked_layers")):
             if getattr(self, unlocked) and not getattr(self, f"lock_{tower}"):
-                raise ValueError(f"model.{unlocked}: only applies with model.lock_{tower}=true")
+                raise KeyedValueError(f"model.{unlocked}: only applies with model.lock_{tower}=true", unlocked)
         return self
 
 
@@ -165,8 +166,8 @@ class CUSAConfig(Choosing):
         if self.teacher_features is None:
             missing = [n for n in ("image_teacher", "text_teacher") if getattr(self, n) is None]
             if missing:
-                raise ValueError(f"CUSA needs teachers: set {' and '.join(missing)} "
-                                 "or teacher_features (pipelines/extract_teacher.py)")
+                raise KeyedValueError(f"CUSA needs teachers: set {' and '.join(missing)} "
+                                      "or teacher_features (pipelines/extract_teacher.py)", *missing)
         return self
 
 
@@ -299,14 +300,15 @@ class EvalConfig(Section):
     @model_validator(mode="after")
     def _known_metric(self) -> EvalConfig:
         if not self.ks or any(k < 1 for k in self.ks):
-            raise ValueError("ks must be a non-empty list of integers >= 1")
+            raise KeyedValueError("ks must be a non-empty list of integers >= 1", "ks")
         reported = metric_families.metric_names(self.ks)
         if self.select_metric not in reported:
-            raise ValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports for "
-                             f"ks {list(self.ks)} (one of {', '.join(n for n, m in reported.items() if m)})")
+            raise KeyedValueError(f"select_metric: {self.select_metric!r} is not a metric the evaluation reports for "
+                                  f"ks {list(self.ks)} (one of {', '.join(n for n, m in reported.items() if m)})",
+                                  "select_metric")
         if reported[self.select_metric] is None:
-            raise ValueError(f"select_metric: {self.select_metric!r} is a count the evaluation reports, not a "
-                             "metric a best checkpoint can be selected by")
+            raise KeyedValueError(f"select_metric: {self.select_metric!r} is a count the evaluation reports, not a "
+                                  "metric a best checkpoint can be selected by", "select_metric")
         return self
 
     @property
@@ -393,8 +395,8 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _optimizer_runs_here(self) -> RunConfig:
         if self.optim.impl == "deepspeed" and not self.train.use_gpu:
-            raise ValueError("optim.impl: 'deepspeed' runs DeepSpeed's FusedAdam, a CUDA op; set train.use_gpu=true "
-                             "or keep optim.impl=torch")
+            raise KeyedValueError("optim.impl: 'deepspeed' runs DeepSpeed's FusedAdam, a CUDA op; set train.use_gpu=true "
+                                  "or keep optim.impl=torch", "optim.impl", "train.use_gpu")
         return self
 
     def flat(self) -> dict[str, Any]:
@@ -433,4 +435,4 @@ def validate(tree: dict[str, Any], source: str) -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, source)) from None
+        raise ConfigError(format_errors(exc, source), error_keys(exc)) from None

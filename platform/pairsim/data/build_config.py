@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from pairsim.config import ConfigError, Float, Int, PathOrUri, Section, format_errors, registered
+from pairsim.config.fields import KeyedValueError, error_keys
 from pairsim.registry import DATA_FORMATS
 
 SPLIT_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"  # a directory name inside the dataset: no '..', no hidden name
@@ -52,9 +53,9 @@ class BuildConfig(Section):
         foreign = sorted(name for name in self.model_fields_set if name not in own and any(
             name in fmt.options for _, fmt in DATA_FORMATS.items()))
         if foreign:
-            raise ValueError(f"{', '.join(foreign)}: only for format "
-                             + " / ".join(f for f, fmt in DATA_FORMATS.items() if foreign[0] in fmt.options)
-                             + f", not {self.format!r}")
+            raise KeyedValueError(f"{', '.join(foreign)}: only for format "
+                                  + " / ".join(f for f, fmt in DATA_FORMATS.items() if foreign[0] in fmt.options)
+                                  + f", not {self.format!r}", *foreign)
         return self
 
     @classmethod
@@ -62,4 +63,4 @@ class BuildConfig(Section):
         try:
             return cls.model_validate({k: v for k, v in values.items() if v is not None})
         except ValidationError as exc:
-            raise ConfigError(format_errors(exc, "shards build options")) from None
+            raise ConfigError(format_errors(exc, "shards build options"), error_keys(exc)) from None

@@ -4,6 +4,7 @@ problem reported at once."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
 def _problems(path: Path, errors: list[str]) -> ConfigError:
     """``errors`` as one :class:`ConfigError` (:func:`pairsim.config.fields.error_list`)."""
-    return ConfigError(error_list(errors, str(path)))
+    return ConfigError(error_list(errors, str(path)),
+                       (m[1] for e in errors if (m := re.match(r"([\w.@-]+): ", e))))  # each line's key
 
 
 def _read_sweep_file(path: Path, overrides: list[str], errors: list[str]) -> tuple[dict[str, Any], list[str]]:
