@@ -210,7 +210,8 @@ def test_deepspeed_muon_kernels_compile_on_first_call_not_at_start_up():
 
 
 def test_a_deepspeed_without_its_compile_decorator_is_left_as_it_is(monkeypatch):
-    """``deepspeed>=0.19`` is open above: where ``deepspeed.runtime.compiler.compile`` is gone,
+    """A DeepSpeed installed past the tested range (``pip install`` without ``constraints.txt``
+    and ``--no-deps``): where ``deepspeed.runtime.compiler.compile`` is gone,
     nothing is deferred and nothing is imported (rather than every run failing at its engine)."""
     import sys
 
