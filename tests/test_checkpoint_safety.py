@@ -208,7 +208,8 @@ def test_a_directory_that_is_no_checkpoint_is_refused_at_once_not_walked(tmp_pat
     assert str(err.value).startswith("/:") and checkpoints.NOT_A_CHECKPOINT in str(err.value)
     with pytest.raises(ConfigError) as err:
         checkpoints.check_init_from(ModelConfig(init_from=Path("/")))
-    assert str(err.value).startswith("model.init_from: /:") and checkpoints.NOT_A_CHECKPOINT in str(err.value)
+    assert err.value.keys == ("model.init_from",) and str(err.value).startswith("model.init_from: /:") \
+        and checkpoints.NOT_A_CHECKPOINT in str(err.value)
     with pytest.raises(InputError, match="^/: neither"):  # refused by its name alone
         checkpoints.inventory("/")
     assert time.monotonic() - started < 1

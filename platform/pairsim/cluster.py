@@ -263,7 +263,8 @@ def node_roles(roles: NodeRolesConfig, nodes: list[dict] | None = None) -> NodeR
         seen = sorted({f"{roles.label}={n['Labels'][roles.label]}" for n in alive if roles.label in n.get("Labels", {})})
         raise ConfigError(f"ray.node_roles: no alive node with CPUs is labelled {' or '.join(missing)} (labelled: "
                           f"{', '.join(seen) or 'none'}); label them (ray start --labels …, cluster.yaml's node types), "
-                          "name your labels in ray.node_roles, or set ray.node_roles.placement=off")
+                          "name your labels in ray.node_roles, or set ray.node_roles.placement=off",
+                          ("ray.node_roles",))
     return NodeRoles({roles.label: roles.train}, {roles.label: roles.data}, found[roles.train], found[roles.data])
 
 
@@ -279,14 +280,17 @@ def check_cpu_budget(cfg: RunConfig, roles: NodeRoles) -> None:
             raise ConfigError(
                 f"{need} of the cluster's {roles.train_cpus:g} CPUs leaves {roles.train_cpus - train_cpus:g} for Ray "
                 f"Data, less than one task's data.cpus_per_task ({cfg.data.cpus_per_task:g}); lower them, add CPU "
-                "nodes, or give a local instance more with ray.data_cpus")
+                "nodes, or give a local instance more with ray.data_cpus",
+                ("train.num_workers", "train.cpus_per_worker", "data.cpus_per_task"))
         return
     if roles.train_cpus < train_cpus:
         raise ConfigError(f"{need}, more than the {roles.train_cpus:g} CPUs of the nodes labelled "
-                          f"{_selector(roles.train)}; lower them or add training nodes")
+                          f"{_selector(roles.train)}; lower them or add training nodes",
+                          ("train.num_workers", "train.cpus_per_worker"))
     if roles.data_cpus < cfg.data.cpus_per_task:
         raise ConfigError(f"data.cpus_per_task = {cfg.data.cpus_per_task:g}, more than the {roles.data_cpus:g} CPUs "
-                          f"of the nodes labelled {_selector(roles.data)}; lower it or add data nodes")
+                          f"of the nodes labelled {_selector(roles.data)}; lower it or add data nodes",
+                          ("data.cpus_per_task",))
 
 
 def _selector(selector: dict[str, str] | None) -> str:
