@@ -216,7 +216,7 @@ def test_a_deepspeed_without_its_compile_decorator_is_left_as_it_is(monkeypatch)
     import sys
 
     from deepspeed.runtime import compiler
-    from pairsim.train.engine import import_muon_lazily
+    from pairsim.compat.deepspeed import import_muon_lazily
 
     name = "deepspeed.runtime.zero.muon.muon_optimizer"
     monkeypatch.delitem(sys.modules, name, raising=False)

@@ -29,14 +29,14 @@ open_clip.add_model_config(BUILTIN_CONFIGS)
 def check_model_config(cfg: ModelConfig) -> None:
     """Fail on the driver, naming the field, if the architecture or weights cannot be found."""
     if open_clip.get_model_config(cfg.arch) is None:
-        raise ConfigError(f"model.arch: unknown open_clip architecture {cfg.arch!r}", ("model.arch",))
+        raise ConfigError(f"model.arch: unknown open_clip architecture {cfg.arch!r}")
     if cfg.pretrained and not os.path.isfile(cfg.pretrained):
         tags = open_clip.list_pretrained_tags_by_model(cfg.arch)
         if cfg.pretrained not in tags:
             raise ConfigError(
                 f"model.pretrained: {cfg.pretrained!r} is neither a file (there is none at "
-                f"{os.path.abspath(cfg.pretrained)}) nor an open_clip tag of {cfg.arch} (tags: {tags or 'none'})",
-                ("model.pretrained",))
+                f"{os.path.abspath(cfg.pretrained)}) nor an open_clip tag of {cfg.arch} (tags: {tags or 'none'})"
+            )
 
 
 def create_model(cfg: ModelConfig) -> torch.nn.Module:
