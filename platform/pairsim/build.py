@@ -16,6 +16,7 @@ from typing import Any
 from pairsim.config import ConfigError, RunConfig, Section
 from pairsim.config import components as c
 from pairsim.config.components import Family
+from pairsim.config.fields import leading_keys
 from pairsim.losses.modules import (BaseLoss, CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Structure,
                                     TripletHN, Unified)
 from pairsim.losses.temperature import Temperature
@@ -108,5 +109,6 @@ def check_teachers(cfg: RunConfig) -> None:
     problems = [problem for m in MODALITIES if (teacher := getattr(cusa, f"{m}_teacher")) is not None
                 for problem in teacher.check_files(f"loss.cusa.{m}_teacher")]
     if problems:
-        raise ConfigError("\n".join(problems), (problem.split(":", 1)[0] for problem in problems))
+        message = "\n".join(problems)
+        raise ConfigError(message, leading_keys(message))
     build_teachers(cfg)

@@ -263,8 +263,7 @@ def node_roles(roles: NodeRolesConfig, nodes: list[dict] | None = None) -> NodeR
         seen = sorted({f"{roles.label}={n['Labels'][roles.label]}" for n in alive if roles.label in n.get("Labels", {})})
         raise ConfigError(f"ray.node_roles: no alive node with CPUs is labelled {' or '.join(missing)} (labelled: "
                           f"{', '.join(seen) or 'none'}); label them (ray start --labels …, cluster.yaml's node types), "
-                          "name your labels in ray.node_roles, or set ray.node_roles.placement=off",
-                          ("ray.node_roles",))
+                          "name your labels in ray.node_roles, or set ray.node_roles.placement=off")
     return NodeRoles({roles.label: roles.train}, {roles.label: roles.data}, found[roles.train], found[roles.data])
 
 
@@ -289,8 +288,7 @@ def check_cpu_budget(cfg: RunConfig, roles: NodeRoles) -> None:
                           ("train.num_workers", "train.cpus_per_worker"))
     if roles.data_cpus < cfg.data.cpus_per_task:
         raise ConfigError(f"data.cpus_per_task = {cfg.data.cpus_per_task:g}, more than the {roles.data_cpus:g} CPUs "
-                          f"of the nodes labelled {_selector(roles.data)}; lower it or add data nodes",
-                          ("data.cpus_per_task",))
+                          f"of the nodes labelled {_selector(roles.data)}; lower it or add data nodes")
 
 
 def _selector(selector: dict[str, str] | None) -> str:

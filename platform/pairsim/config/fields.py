@@ -3,6 +3,7 @@ section base, registered names and the error every bad config raises."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
@@ -55,13 +56,28 @@ def check_tracking_uri(uri: str) -> str:
     return uri
 
 
+LEADING_KEY = re.compile(r"^\s*([A-Za-z_][\w@-]*(?:\.[\w@-]+)*)(?::| =) ", re.M)  # "  model.arch: ..."
+
+
+def leading_keys(lines: str) -> tuple[str, ...]:
+    """The config key each of ``lines`` starts with (``model.arch: unknown ...`` → ``model.arch``)."""
+    return tuple(LEADING_KEY.findall(lines))
+
+
 class ConfigError(InputError):
     """A run configuration that cannot be used; the message lists every problem, ``keys`` the dotted
-    config keys it names (``("model.lock_image_unlocked_groups",)``; empty where it names none)."""
+    config keys it names: by default the one its first line starts with (``model.arch: unknown
+    ...``), else those given (a list of problems, a problem of several keys)."""
 
-    def __init__(self, message: str, keys: Iterable[str] = ()) -> None:
+    def __init__(self, message: str, keys: Iterable[str] | None = None) -> None:
         super().__init__(message)
-        self.keys: tuple[str, ...] = tuple(dict.fromkeys(keys))  # pickled with the instance's __dict__
+        named = leading_keys(message.partition("\n")[0]) if keys is None else keys
+        self.keys: tuple[str, ...] = tuple(dict.fromkeys(named))  # pickled with the instance's __dict__
+
+    @classmethod
+    def from_validation(cls, err: ValidationError, source: str) -> ConfigError:
+        """``err`` (pydantic's) as one ConfigError: :func:`format_errors`' message, :func:`error_keys`' keys."""
+        return cls(format_errors(err, source), error_keys(err))
 
 
 class KeyedValueError(ValueError):
@@ -107,8 +123,7 @@ def error_keys(err: ValidationError) -> tuple[str, ...]:
 
 def format_errors(err: ValidationError, source: str) -> str:
     """``err`` as one message: a line per problem, each with its dotted key and the value given
-    (URIs masked), headed by how many there are and ``source``. Raise it as
-    ``ConfigError(format_errors(err, source), error_keys(err))``."""
+    (URIs masked), headed by how many there are and ``source``."""
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"])[:EXCERPT] or "<root>"

@@ -11,7 +11,7 @@ from pydantic import Field, SerializeAsAny, ValidationError, ValidationInfo, fie
 
 from pairsim import storage
 from pairsim.config.fields import (Bool, ConfigError, Float, Int, KeyedValueError, PathOrUri, Section,
-                                   check_tracking_uri, error_keys, format_errors, registered)
+                                   check_tracking_uri, registered)
 from pairsim.config.components import (BASE_LOSSES, FUSIONS, STRUCTURES, TEACHERS, BaseLossParams, Choosing,
                                        ImageTextParams, SentenceTransformersParams, StructureParams, TeacherParams,
                                        TemperatureConfig, UnifiedParams)
@@ -435,4 +435,4 @@ def validate(tree: dict[str, Any], source: str) -> RunConfig:
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, source), error_keys(exc)) from None
+        raise ConfigError.from_validation(exc, source) from None

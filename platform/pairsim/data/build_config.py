@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
-from pairsim.config import ConfigError, Float, Int, PathOrUri, Section, format_errors, registered
-from pairsim.config.fields import KeyedValueError, error_keys
+from pairsim.config import ConfigError, Float, Int, PathOrUri, Section, registered
+from pairsim.config.fields import KeyedValueError
 from pairsim.registry import DATA_FORMATS
 
 SPLIT_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"  # a directory name inside the dataset: no '..', no hidden name
@@ -63,4 +63,4 @@ class BuildConfig(Section):
         try:
             return cls.model_validate({k: v for k, v in values.items() if v is not None})
         except ValidationError as exc:
-            raise ConfigError(format_errors(exc, "shards build options"), error_keys(exc)) from None
+            raise ConfigError.from_validation(exc, "shards build options") from None

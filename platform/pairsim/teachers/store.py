@@ -70,7 +70,7 @@ class TeacherStore:
         path = self.root / STORE_MANIFEST
         if not path.is_file():
             raise ConfigError(f"loss.cusa.teacher_features: no {STORE_MANIFEST} in {self.root} "
-                              "(make it with pipelines/extract_teacher.py)", ("loss.cusa.teacher_features",))
+                              "(make it with pipelines/extract_teacher.py)")
         return untrusted.read_model(path, StoreManifest, MAX_STORE_MANIFEST_BYTES, StoreError)
 
     def check(self, cfg: RunConfig, teachers: dict[str, Teacher]) -> None:
@@ -79,17 +79,14 @@ class TeacherStore:
         data_hash = shards.read_manifest(cfg.data.path).content_hash
         if manifest.data_content_hash != data_hash:
             raise ConfigError(f"loss.cusa.teacher_features: {self.root} was extracted from other data than "
-                              f"{cfg.data.path} (content hash {manifest.data_content_hash[:12]} vs {data_hash[:12]})",
-                              ("loss.cusa.teacher_features",))
+                              f"{cfg.data.path} (content hash {manifest.data_content_hash[:12]} vs {data_hash[:12]})")
         missing = [s for s in (cfg.data.train_split,) if s not in manifest.splits]
         if missing:
-            raise ConfigError(f"loss.cusa.teacher_features: {self.root} has no features for split(s) {missing}",
-                              ("loss.cusa.teacher_features",))
+            raise ConfigError(f"loss.cusa.teacher_features: {self.root} has no features for split(s) {missing}")
         for m, teacher in teachers.items():
             if teacher.identity() != manifest.teachers.get(m):
                 raise ConfigError(f"loss.cusa.{m}_teacher: {teacher.identity()} differs from the teacher the "
-                                  f"features in {self.root} came from: {manifest.teachers.get(m)}",
-                                  (f"loss.cusa.{m}_teacher",))
+                                  f"features in {self.root} came from: {manifest.teachers.get(m)}")
 
     @staticmethod
     @functools.lru_cache(maxsize=8)
@@ -154,8 +151,7 @@ def extract(cfg: RunConfig, teachers: dict[str, Teacher], out: Path, splits: Seq
 
     cusa = cfg.loss.cusa
     if cusa is None or cusa.image_teacher is None or cusa.text_teacher is None:
-        raise ConfigError("loss.cusa: extraction needs loss.cusa with an image_teacher and a text_teacher",
-                          ("loss.cusa",))
+        raise ConfigError("loss.cusa: extraction needs loss.cusa with an image_teacher and a text_teacher")
     out = claim_output(out)
     manifest = shards.read_manifest(cfg.data.path)
     (out / STARTED).touch()

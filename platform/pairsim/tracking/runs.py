@@ -68,12 +68,11 @@ def check_reachable(uri: str, timeout: float = REACHABLE_TIMEOUT_S) -> None:
         except requests.RequestException as exc:
             raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {shown} within {timeout:g} s "
                               f"({type(exc).__name__}); start it or point tracking.tracking_uri / "
-                              "MLFLOW_TRACKING_URI elsewhere", ("tracking.tracking_uri",)) from None
+                              "MLFLOW_TRACKING_URI elsewhere") from None
     elif uri.startswith("sqlite:///"):
         directory = Path(uri.removeprefix("sqlite:///")).parent
         if not os.access(directory, os.W_OK):
-            raise ConfigError(f"tracking.tracking_uri: {shown}: cannot write to {directory}",
-                              ("tracking.tracking_uri",))
+            raise ConfigError(f"tracking.tracking_uri: {shown}: cannot write to {directory}")
 
 
 def context_tags() -> dict[str, str]:

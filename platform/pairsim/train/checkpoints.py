@@ -401,7 +401,7 @@ def check_init_from(cfg: ModelConfig) -> None:
                 raise ValueError(f"{path}: its open_clip weights do not fit {cfg.arch} ({len(wrong)} tensors missing, "
                                  f"unexpected or of another shape, e.g. {', '.join(wrong[:3])})")
     except (OSError, ValueError) as exc:  # UnsafeCheckpointError and MetadataError are ValueErrors
-        raise ConfigError(f"model.init_from: {exc}", ("model.init_from",)) from None
+        raise ConfigError(f"model.init_from: {exc}") from None
 
 
 def load_initial_weights(model: retrieval.RetrievalModel, path: str | Path) -> None:

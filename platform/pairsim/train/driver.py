@@ -144,7 +144,7 @@ def plan_run(cfg: RunConfig) -> RunPlan:
     paths are checked as they are: :func:`fit` makes them absolute against the working
     directory first."""
     if not storage.is_uri(cfg.ray.storage_path) and (problem := storage.local_storage_problem(Path(cfg.ray.storage_path).resolve())):
-        raise ConfigError(f"ray.storage_path: {problem}", ("ray.storage_path",))
+        raise ConfigError(f"ray.storage_path: {problem}")
     if cfg.optim.impl == "deepspeed" and cluster.starts_local_instance(cfg):
         if problem := engine.deepspeed_ops_problem():  # a local instance: its workers run on this machine
             raise ConfigError(problem)
@@ -159,28 +159,27 @@ def plan_run(cfg: RunConfig) -> RunPlan:
                 manifests[str(root)] = shards.read_manifest(root)
             images = shards.verify_split(root, split, manifests[str(root)])
         except OSError as exc:  # missing or corrupt, or an object store that cannot be reached
-            raise ConfigError(f"{key}: {exc}", (key,)) from None
+            raise ConfigError(f"{key}: {exc}") from None
         if images < MIN_SPLIT_IMAGES:
             raise ConfigError(f"{key}: the {split} split of {cfg.data.split_path(split)} has {images} images; "
-                              f"training and retrieval need at least {MIN_SPLIT_IMAGES}", (key,))
+                              f"training and retrieval need at least {MIN_SPLIT_IMAGES}")
     data = shards.RunData(cfg.data, manifests)
     facts = split_facts(data, cfg.data.val_split)
     given = suite.selectable_metrics(cfg.eval.ks, facts)
     if cfg.eval.select_metric not in given:
         raise ConfigError(f"eval.select_metric: the {cfg.data.val_split} split of {cfg.data.split_path(cfg.data.val_split)} ({facts.describe()}) "
-                          f"gives no {cfg.eval.select_metric!r}; it gives {', '.join(given)}", ("eval.select_metric",))
+                          f"gives no {cfg.eval.select_metric!r}; it gives {', '.join(given)}")
     build.check_teachers(cfg)
     if cfg.loss.cusa and cfg.loss.cusa.teacher_features:
         TeacherStore(cfg.loss.cusa.teacher_features).check(cfg, build.build_teachers(cfg))
     if cfg.data.max_cpus is not None and cfg.data.max_cpus < cfg.data.cpus_per_task:
         raise ConfigError(f"data.max_cpus: {cfg.data.max_cpus} is less than one task's data.cpus_per_task "
-                          f"({cfg.data.cpus_per_task}): ingest could never run", ("data.max_cpus",))
+                          f"({cfg.data.cpus_per_task}): ingest could never run")
     per_epoch = steps_per_epoch(cfg, data.split(cfg.data.train_split))
     if per_epoch < 1:
         raise ConfigError(
             f"train.micro_batch_size: {cfg.train.micro_batch_size} × {cfg.train.num_workers} workers × "
-            f"{cfg.train.accumulate_steps} accumulated is larger than the {cfg.data.train_split} split of {cfg.data.path}",
-            ("train.micro_batch_size",))
+            f"{cfg.train.accumulate_steps} accumulated is larger than the {cfg.data.train_split} split of {cfg.data.path}")
     ds_config = engine.deepspeed_config(cfg.train, cfg.optim, per_epoch * cfg.train.epochs)
     if cfg.train.deepspeed:
         engine.check_deepspeed_config(ds_config)
@@ -261,7 +260,7 @@ def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
         ended = datetime.fromtimestamp(previous.info.end_time / 1000).isoformat(sep=" ", timespec="seconds")
         raise ConfigError(f"ray.run_name: {run_name!r} is a finished run (MLflow run {previous.info.run_id} in "
                           f"{where}, ended {ended}); to continue it (e.g. with more train.epochs) add --resume; "
-                          "for a new run choose another ray.run_name", ("ray.run_name",))
+                          "for a new run choose another ray.run_name")
     logger.info("resuming run %s (MLflow run %s, its last attempt %s)", run_name, previous.info.run_id,
                 {"FINISHED": "finished", "RUNNING": "ended without a word (killed?)"}.get(status, status.lower()))
 

@@ -109,8 +109,7 @@ def check_deepspeed_config(ds_config: dict[str, Any]) -> None:
     try:
         DeepSpeedConfig(ds_config)
     except Exception as exc:  # DeepSpeed raises pydantic, assertion and value errors alike
-        raise ConfigError(f"train.deepspeed: DeepSpeed refuses the merged config: {exc}",
-                          ("train.deepspeed",)) from None
+        raise ConfigError(f"train.deepspeed: DeepSpeed refuses the merged config: {exc}") from None
 
 
 def deepspeed_arch_list(value: str) -> str:

@@ -210,12 +210,11 @@ def concurrency(sweep: Sweep) -> int:
     if fits < 1:
         raise ConfigError("sweep.resources: one trial needs " + ", ".join(f"{n:g} {r}" for r, n in need.items() if n)
                           + " (workers × per-worker + ray.data_cpus); the cluster has "
-                          + ", ".join(f"{cluster.get(r, 0.0):g} {r}" for r in need if need[r]), ("sweep.resources",))
+                          + ", ".join(f"{cluster.get(r, 0.0):g} {r}" for r in need if need[r]))
     wanted = sweep.settings.max_concurrent_trials
     if wanted is not None and wanted > fits:
         raise ConfigError(f"sweep.max_concurrent_trials: {wanted} trials × " + " + ".join(
-            f"{n:g} {r}" for r, n in need.items() if n) + f" do not fit the cluster ({fits} do)",
-                          ("sweep.max_concurrent_trials",))
+            f"{n:g} {r}" for r, n in need.items() if n) + f" do not fit the cluster ({fits} do)")
     return wanted or fits
 
 
@@ -252,7 +251,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
     base = sweep.base
     if isinstance(base.ray.storage_path, str):  # a URI (pairsim.storage): Tune's state and results.csv are files here
         raise ConfigError(f"ray.storage_path: a sweep keeps its state and results on a local or mounted path, "
-                          f"not {base.ray.storage_path}; single runs take object storage", ("ray.storage_path",))
+                          f"not {base.ray.storage_path}; single runs take object storage")
     storage = Path(base.ray.storage_path).resolve()
     exp_dir = Path(untrusted.child(storage, name, "--name", ConfigError).path)  # the sweep stays in storage
     restoring = tune.Tuner.can_restore(exp_dir)

@@ -4,7 +4,6 @@ problem reported at once."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from pydantic import ValidationError
 from pairsim.config import (ConfigError, RunConfig, Section, absolute_paths, apply_overrides, layer, read_yaml,
                             validate)
 from pairsim.config.components import upgrade_key
-from pairsim.config.fields import error_list
+from pairsim.config.fields import error_list, leading_keys
 from pairsim.tune.space.checks import check_settings, check_space, run_config_errors
 from pairsim.tune.space.distributions import Distribution, Space
 from pairsim.tune.space.settings import SweepFile, SweepSettings
@@ -57,8 +56,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
 
 def _problems(path: Path, errors: list[str]) -> ConfigError:
     """``errors`` as one :class:`ConfigError` (:func:`pairsim.config.fields.error_list`)."""
-    return ConfigError(error_list(errors, str(path)),
-                       (m[1] for e in errors if (m := re.match(r"([\w.@-]+): ", e))))  # each line's key
+    return ConfigError(error_list(errors, str(path)), leading_keys("\n".join(errors)))  # all, not only those shown
 
 
 def _read_sweep_file(path: Path, overrides: list[str], errors: list[str]) -> tuple[dict[str, Any], list[str]]:
