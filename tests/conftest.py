@@ -198,6 +198,42 @@ def ray_instance(s3_env):
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
+    """The end-to-end tests' trained model: 3 epochs of the demo config (2 workers, ZeRO-2), then
+    the same run resumed (``--resume``) for a 4th; system metrics every 2 s (the default 10 s is
+    longer than a one-epoch attempt here: whether one sample or none landed in it depended on the
+    machine's speed)."""
+    from mlflow.tracking import MlflowClient
+
+    from pairsim.cli import DEMO_CONFIG
+    from pairsim.config import ConfigError, load_config
+    from pairsim.train import driver
+
+    work = tmp_path_factory.mktemp("zero2")
+    first = driver.fit(load_config(DEMO_CONFIG, e2e_overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3",
+                                                          "tracking.system_metrics_interval_s=2")))
+    longer = load_config(DEMO_CONFIG, e2e_overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4",
+                                                "tracking.system_metrics_interval_s=2"))
+    with pytest.raises(ConfigError, match=r"'e2e' is a finished run .* add --resume"):
+        driver.fit(longer)  # a finished run's name continues it only when asked
+    resumed = driver.fit(longer, resume=True)
+    return first, resumed, MlflowClient(first.tracking_uri)
+
+
+@pytest.fixture(scope="session")
+def trained_export(zero2_runs, tmp_path_factory) -> Path:
+    """The resumed :func:`zero2_runs` run's exported model (its best checkpoint's ``model.pt``,
+    ``model.heads.pt``, ``model.json``) copied out of its MLflow store: the weights the tests of
+    a trained encoder (serving, embedding, search) load, without writing into that store."""
+    from pairsim import tracking
+
+    _, resumed, _ = zero2_runs
+    out = tmp_path_factory.mktemp("trained_export") / "model.pt"
+    tracking.download_run_model(resumed.mlflow_run_id, resumed.tracking_uri, out)
+    return out
+
+
 def start_mlflow_server(root: Path, port: int, backend_store_uri: str | None = None, artifacts: str | None = None,
                         env: dict[str, str] | None = None) -> subprocess.Popen:
     """`mlflow server` on 127.0.0.1:``port`` proxying its artifacts (``--serve-artifacts``), its

@@ -20,24 +20,9 @@ from pairsim.cli import DEMO_CONFIG, main, objective_config
 from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.build import build_objective
 from pairsim.tracking import metric_key
+from pairsim.tracking.models import PYTORCH_MODEL
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def zero2_runs(ray_instance, tiny_dataset, tmp_path_factory):
-    """3 epochs of the demo config (2 workers, ZeRO-2), then the same run resumed (``--resume``) for a 4th;
-    system metrics every 2 s (the default 10 s is longer than a one-epoch attempt here: whether
-    one sample or none landed in it depended on the machine's speed)."""
-    work = tmp_path_factory.mktemp("zero2")
-    first = driver.fit(load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=3",
-                                                          "tracking.system_metrics_interval_s=2")))
-    longer = load_config(DEMO_CONFIG, overrides(tiny_dataset, work, "ray.run_name=e2e", "train.epochs=4",
-                                                "tracking.system_metrics_interval_s=2"))
-    with pytest.raises(ConfigError, match=r"'e2e' is a finished run .* add --resume"):
-        driver.fit(longer)  # a finished run's name continues it only when asked
-    resumed = driver.fit(longer, resume=True)
-    return first, resumed, MlflowClient(first.tracking_uri)
 
 
 def history(client, run_id, key):
@@ -185,7 +170,7 @@ def test_zero3_bf16_run_logs_to_an_mlflow_server_and_exports(zero3_run, mlflow_s
     assert main(["export", "--run-id", result.mlflow_run_id, "--tracking-uri", mlflow_server,
                  "--out", str(tmp_path / "registered" / "model.pt"), "--register", "pairsim-zero3"]) == 0
     mlflow.set_tracking_uri(mlflow_server)
-    registered = mlflow.pytorch.load_model("models:/pairsim-zero3/1").eval()
+    registered = mlflow.pytorch.load_model(f"runs:/{result.mlflow_run_id}/{PYTORCH_MODEL}").eval()
     exported, _ = retrieval.load_exported(tmp_path / "registered" / "model.pt")  # towers and heads
     pixels, tokens = fixed_inputs(load_config(DEMO_CONFIG))
     with torch.no_grad():
@@ -296,17 +281,28 @@ def test_evaluate_cli_reproduces_the_run_and_logs_into_it(zero2_runs, tiny_datas
 
 
 def test_export_cli_registers_a_model_that_loads_with_mlflow(zero2_runs, tmp_path):
-    _, resumed, _ = zero2_runs
+    """``export --register``: the registered version is the pyfunc encoder (normalised
+    embeddings of captions); the same run holds the ``mlflow.pytorch`` model too (raw outputs)."""
+    import pandas as pd
+
+    _, resumed, client = zero2_runs
     out = tmp_path / "exported" / "model.pt"
     assert main(["export", "--run-id", resumed.mlflow_run_id, "--tracking-uri", resumed.tracking_uri,
                  "--out", str(out), "--register", "pairsim-test"]) == 0
     model, _, _ = open_clip.create_model_and_transforms("pairsim-tiny", pretrained=str(out))
+    assert client.get_model_version("pairsim-test", "1").run_id == resumed.mlflow_run_id
     mlflow.set_tracking_uri(resumed.tracking_uri)
-    registered = mlflow.pytorch.load_model("models:/pairsim-test/1")
+    logged = mlflow.pytorch.load_model(f"runs:/{resumed.mlflow_run_id}/{PYTORCH_MODEL}")
     pixels, tokens = fixed_inputs(load_config(DEMO_CONFIG))
     with torch.no_grad():
-        torch.testing.assert_close(registered(image=pixels)["image"], model.encode_image(pixels))  # un-normalised
-        torch.testing.assert_close(registered(text=tokens)["text"], model.encode_text(tokens))
+        torch.testing.assert_close(logged(image=pixels)["image"], model.encode_image(pixels))  # un-normalised
+        torch.testing.assert_close(logged(text=tokens)["text"], model.encode_text(tokens))
+        expected = torch.nn.functional.normalize(model.encode_text(tokens[:2]), dim=-1).numpy()
+    served = mlflow.pyfunc.load_model("models:/pairsim-test/1").predict(
+        pd.DataFrame({"text": ["a red circle", "two blue squares"]}))
+    assert served["modality"].tolist() == ["text", "text"]
+    torch.testing.assert_close(torch.stack([torch.from_numpy(v) for v in served["embedding"]]), torch.from_numpy(expected),
+                               atol=1e-5, rtol=0)
 
 
 def test_one_caption_data_from_csv_and_webdataset_trains_and_names_the_metrics_it_cannot_give(

@@ -7,13 +7,17 @@ import argparse
 from pathlib import Path
 
 from pairsim import storage
-from pairsim.commands.arguments import location_arg, tracking_uri_arg
+from pairsim.commands.arguments import location_arg, path_arg, tracking_uri_arg
 from pairsim.commands.runs import print_run
 from pairsim.config import ConfigError, load_config
 
 
-def add_model_source_flags(parser: argparse.ArgumentParser) -> None:
+def add_model_source_flags(parser: argparse.ArgumentParser, export: bool = False) -> None:
+    """Where the model comes from: ``--checkpoint`` or ``--run-id`` (with ``--tracking-uri``), and
+    with ``export`` also ``--model``, an export already written."""
     source = parser.add_mutually_exclusive_group(required=True)
+    if export:
+        source.add_argument("--model", type=path_arg, help="an export's weights (model.pt beside its model.json)")
     source.add_argument("--checkpoint", type=location_arg,
                         help="a pairsim (Ray Train + DeepSpeed) checkpoint directory (a path or a URI, s3://…)")
     source.add_argument("--run-id", help="an MLflow training run: its exported best model")
@@ -82,7 +86,8 @@ def export(args: argparse.Namespace) -> None:
     print("wrote " + ", ".join(str(p) for p in written))
     if args.register:
         version = tracking.register_model(args.out, args.register, tracking_uri, args.run_id)
-        print(f"registered as {args.register} version {version} in {storage.masked(tracking_uri)}")
+        print(f"registered as {args.register} version {version} in {storage.masked(tracking_uri)}: serve its "
+              f"embeddings with: mlflow models serve -m models:/{args.register}/{version} --env-manager local")
 
 
 def list_or_verify_checkpoints(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ card last, and a heads file the new export lacks is removed.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import uuid
@@ -198,6 +199,18 @@ def verified_export_card(weights: str | Path) -> ModelCard:
         if problems:
             raise UnsafeCheckpointError(f"{weights}: the export is refused: {'; '.join(problems)}")
     return card
+
+
+def model_digest(weights: str | Path) -> str:
+    """What identifies the export ``weights`` in what is made with it (embeddings, indexes,
+    served models): the SHA-256 of its weights' and heads' SHA-256s (the card's, or computed for
+    an export whose card predates them), as 64 hex digits. Checks the export first
+    (:func:`verified_export_card`)."""
+    weights, heads_file, _ = exported_files(weights)
+    card = verified_export_card(weights)
+    sums = card.sha256 or ExportChecksums(weights=untrusted.sha256(weights),
+                                          heads=untrusted.sha256(heads_file) if heads_file.is_file() else None)
+    return hashlib.sha256(f"{sums.weights}:{sums.heads or ''}".encode()).hexdigest()
 
 
 def load_exported(weights: str | Path) -> tuple[RetrievalModel, ModelCard]:

@@ -1,0 +1,163 @@
+"""The export as an ``mlflow.pyfunc`` model that serves embeddings (:class:`EncoderModel`): what
+``mlflow models serve`` answers ``POST /invocations`` with.
+
+A request is a DataFrame with a ``text`` column and/or an ``image`` column, each row holding
+exactly one of them: a caption, or an image as base64 of its encoded bytes or as a path or URI
+under one of the directories :data:`IMAGE_ROOTS_ENV` lists on the serving host (a value of
+base64's alphabet only is read as base64 when it decodes: a file name's ``.`` is not in that
+alphabet, and a ``file://`` URI never is). The answer is a
+DataFrame with ``modality`` ("text" or "image") and ``embedding`` (float32, L2-normalised), row
+for row, computed by :class:`~pairsim.serving.encoder.Encoder`. A bad request — no such column, a
+row with both or neither, an image that is not one, a path outside the roots, more than
+:data:`MAX_ROWS` rows or :data:`MAX_REQUEST_BYTES` bytes — raises ``MlflowException`` with
+``INVALID_PARAMETER_VALUE``, which the scoring server answers with HTTP 400 and the message.
+
+MLflow loads the model from code (``pyfunc_model.py``, :data:`MODEL_CODE`): nothing is pickled;
+the export's files are the model's artifacts (:data:`EXPORT_ARTIFACT`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+import mlflow.pyfunc
+import numpy as np
+import pandas as pd
+import torch
+from mlflow.exceptions import MlflowException
+from mlflow.models import ModelSignature
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.types.schema import Array, ColSpec, Schema
+from PIL import Image
+
+from pairsim.errors import InputError
+from pairsim.serving.encoder import Encoder, decode_image
+from pairsim.storage import Location
+
+IMAGE_ROOTS_ENV = "PAIRSIM_SERVE_IMAGE_ROOTS"  # comma-separated directories or URIs images may be read from
+DEVICE_ENV = "PAIRSIM_SERVE_DEVICE"  # where the model runs: default cuda when there is one, else cpu
+MAX_ROWS = 1024  # rows of one request
+MAX_REQUEST_BYTES = 64 * 2**20  # UTF-8 bytes of one request's texts and images together
+MAX_IMAGE_BYTES = 32 * 2**20  # bytes of one image read from a path
+EXPORT_ARTIFACT = "export"  # the artifact holding the export's model.pt, model.heads.pt, model.json
+MODEL_CODE = Path(__file__).with_name("pyfunc_model.py")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
+
+SIGNATURE = ModelSignature(
+    inputs=Schema([ColSpec("string", "text", required=False), ColSpec("string", "image", required=False)]),
+    outputs=Schema([ColSpec("string", "modality"), ColSpec(Array("float"), "embedding")]))
+
+
+def input_example() -> pd.DataFrame:
+    """A caption and a base64 PNG: one row of each kind."""
+    png = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(png, format="PNG")
+    return pd.DataFrame({"text": ["a red square", None], "image": [None, base64.b64encode(png.getvalue()).decode()]})
+
+
+def image_roots(value: str | None) -> list[Location]:
+    """The directories or URIs of :data:`IMAGE_ROOTS_ENV`'s ``value`` (comma-separated); local
+    ones resolved, links included. :class:`InputError` naming a value that is neither."""
+    roots = []
+    for root in filter(None, (part.strip() for part in (value or "").split(","))):
+        try:
+            roots.append(Location.of(root))
+        except (ValueError, OSError) as exc:
+            raise InputError(f"{IMAGE_ROOTS_ENV}: {root!r}: {exc}") from None
+    return roots
+
+
+def is_under(location: Location, root: Location) -> bool:
+    """Whether ``location`` is ``root`` or below it, on the same kind of filesystem, with no ``..``."""
+    path = PurePosixPath(location.path)
+    return (location.fs.type_name == root.fs.type_name and ".." not in path.parts
+            and path.is_relative_to(PurePosixPath(root.path)))
+
+
+def image_bytes(value: str, row: str, roots: list[Location]) -> bytes:
+    """An ``image`` value's encoded bytes: decoded from base64, or else read (at most
+    :data:`MAX_IMAGE_BYTES`) from a path or URI under one of ``roots``; :class:`InputError`
+    naming ``row`` otherwise."""
+    problem = "not base64"
+    if _BASE64.fullmatch(value):
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as exc:
+            problem = f"not valid base64 ({exc})"
+    shown = f"{value[:120]!r}"
+    if not roots:
+        raise InputError(f"{row}: image {shown} is {problem}, and the server reads no image paths "
+                         f"({IMAGE_ROOTS_ENV} is not set)")
+    try:
+        location = Location.of(value)
+    except (ValueError, OSError) as exc:
+        raise InputError(f"{row}: image {shown} is {problem}, nor a path ({exc})") from None
+    if not any(is_under(location, root) for root in roots):
+        raise InputError(f"{row}: image {shown} is {problem}, nor a path under the directories "
+                         f"{IMAGE_ROOTS_ENV} allows ({', '.join(map(str, roots))})")
+    try:
+        return location.read_bounded(MAX_IMAGE_BYTES, InputError, "too large for an image")
+    except InputError as exc:
+        raise InputError(f"{row}: image {exc}") from None
+
+
+def is_given(value: object) -> bool:
+    """Whether a cell holds a value (not None, NaN or pandas' NA)."""
+    return not (value is None or value is pd.NA or isinstance(value, float) and math.isnan(value))
+
+
+def embed_rows(encoder: Encoder, frame: pd.DataFrame, roots: list[Location]) -> pd.DataFrame:
+    """The answer to a request (see the module's docstring); :class:`InputError` naming the
+    first problem, found before any row is embedded."""
+    if not isinstance(frame, pd.DataFrame):
+        raise InputError(f"the request: a {type(frame).__name__}, not a table with a 'text' or 'image' column")
+    if not {"text", "image"} & set(frame.columns):
+        found = f" (its columns: {', '.join(map(str, frame.columns))[:200]})" if len(frame.columns) else ""
+        raise InputError(f"the request has no 'text' or 'image' column{found}")
+    if len(frame) > MAX_ROWS:
+        raise InputError(f"the request has {len(frame):,} rows, more than the {MAX_ROWS:,} allowed")
+    cells = {name: frame[name].tolist() if name in frame.columns else [None] * len(frame) for name in ("text", "image")}
+    rows: dict[str, dict[int, str]] = {"text": {}, "image": {}}
+    size = 0
+    for i, (text, image) in enumerate(zip(cells["text"], cells["image"])):
+        given = [(name, value) for name, value in (("text", text), ("image", image)) if is_given(value)]
+        if len(given) != 1:
+            raise InputError(f"row {i}: has {'both text and image' if given else 'neither text nor image'}; "
+                             "give exactly one")
+        (name, value), = given
+        if not isinstance(value, str):
+            raise InputError(f"row {i}: {name} is not a string but a {type(value).__name__}")
+        size += len(value.encode())
+        if size > MAX_REQUEST_BYTES:
+            raise InputError(f"the request: more than the {MAX_REQUEST_BYTES:,} bytes of text and images allowed "
+                             f"(reached at row {i})")
+        rows[name][i] = value
+    images = [decode_image(image_bytes(value, f"row {i}", roots), f"row {i}") for i, value in rows["image"].items()]
+    embeddings = np.zeros((len(frame), encoder.dim), np.float32)
+    embeddings[list(rows["text"])] = encoder.embed_texts(list(rows["text"].values()))
+    embeddings[list(rows["image"])] = encoder.embed_images(images)
+    return pd.DataFrame({"modality": ["image" if i in rows["image"] else "text" for i in range(len(frame))],
+                         "embedding": list(embeddings)})
+
+
+class EncoderModel(mlflow.pyfunc.PythonModel):
+    """The pyfunc model: the export of the :data:`EXPORT_ARTIFACT` artifact as an
+    :class:`~pairsim.serving.encoder.Encoder` on :data:`DEVICE_ENV`'s device, answering
+    requests with :func:`embed_rows`, images read only under :data:`IMAGE_ROOTS_ENV`'s roots."""
+
+    def load_context(self, context) -> None:
+        device = os.environ.get(DEVICE_ENV) or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.encoder = Encoder.load(Path(context.artifacts[EXPORT_ARTIFACT]) / "model.pt", device)
+        self.roots = image_roots(os.environ.get(IMAGE_ROOTS_ENV))
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+        try:
+            return embed_rows(self.encoder, model_input, self.roots)
+        except InputError as exc:
+            raise MlflowException(str(exc), error_code=INVALID_PARAMETER_VALUE) from None
