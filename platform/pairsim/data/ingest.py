@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.data.shard_reader import VerifiedParquetDatasource
-from pairsim.storage import filesystem_and_paths
+from pairsim.storage import Location, filesystem_and_paths
 
 
 @ray.remote(num_cpus=0)
@@ -234,9 +234,9 @@ def map_shards(ds: ray.data.Dataset, fn, rows: int, cfg: RunConfig) -> ray.data.
 
 def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int | None | bool = False,
                include_paths: bool = False, data: shards.RunData | None = None,
-               ledger_name: str | None = None) -> ray.data.Dataset:
-    """A split's shards, only ``columns`` parsed; file order shuffled each epoch (seeded) unless
-    ``shuffle_seed`` is False. The shards are checked against the manifest ``data`` holds (a run's,
+               ledger_name: str | None = None, files: list[Location] | None = None) -> ray.data.Dataset:
+    """A split's shards (or only ``files`` of them), only ``columns`` parsed; file order shuffled
+    each epoch (seeded) unless ``shuffle_seed`` is False. The shards are checked against the manifest ``data`` holds (a run's,
     read once by the driver), else against the one read from the split's dataset directory: their
     number before the read, each one's SHA-256 as it is read (``data.shard_checks``, see
     :mod:`pairsim.data.shard_reader`; shards left out go to ``ledger_name``'s ledger).
@@ -247,7 +247,7 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
     object store between them.
     """
     manifest = data.manifest(split) if data else shards.read_manifest(cfg.data.split_path(split))
-    fs, files = filesystem_and_paths(shards.split_shards(cfg.data.split_path(split), split, manifest))
+    fs, files = filesystem_and_paths(files or shards.split_shards(cfg.data.split_path(split), split, manifest))
     source = VerifiedParquetDatasource(files, filesystem=fs, digests=manifest.split(split).shard_sha256,
                                        columns=columns, checks=cfg.data.shard_checks, ledger_name=ledger_name,
                                        include_paths=include_paths,

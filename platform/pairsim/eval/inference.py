@@ -24,16 +24,18 @@ log = get_logger("eval")
 
 class EmbedBatches:
     """Ray Data actor: a model embedding decoded images (``pixels``) or tokenized captions
-    (``tokens``), returning the ids that go with them and every embedding the model gives."""
+    (``tokens``), returning the ids that go with them, every embedding the model gives and the
+    batch's ``carry`` columns as they came."""
 
-    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, use_gpu: bool):
+    def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, use_gpu: bool, carry: tuple[str, ...] = ()):
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model = model.to(self.device).eval()
         self.normalize = clip.PixelNormalizer(model_cfg)
+        self.carry = carry
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
-            return embed_batch(self.model, batch, self.normalize, self.device)
+            return embed_batch(self.model, batch, self.normalize, self.device) | {k: batch[k] for k in self.carry}
 
 
 def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormalizer, device,
