@@ -43,6 +43,8 @@ PROFILES: dict[str, tuple[list[str], list[str] | None]] = {
     # documented: 3 runs of each tool (single runs move by about the margin to the target); quick: 20 steps, two
     # 5-step windows after the warm-up
     "train": (["--repeats", "3"], ["--images", "1280", "--synthetic"]),
+    "embed": (["--images", "8192"], ["--images", "512", "--repeats", "1"]),
+    "index": (["--threads", "1"], ["--quick", "--threads", "1"]),
     "startup": ([], ["--runs", "1"]),
     "tune": (["--trials", "4", "--epochs", "2", "--num-train", "500", "--num-val", "100"],
              ["--trials", "1", "--epochs", "1", "--num-train", "128", "--num-val", "32"]),

@@ -1,5 +1,6 @@
 """``pairsim`` command line: ``demo``, ``train``, ``tune``, ``extract-teacher``, ``shards build|inspect|verify``,
-``evaluate``, ``export``, ``checkpoints list|verify``, ``doctor``, ``registry``, ``data synth``."""
+``evaluate``, ``export``, ``embed``, ``index``, ``search``, ``checkpoints list|verify``, ``doctor``, ``registry``,
+``data synth``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pairsim import log
 from pairsim.commands import datasets, runs, trained
 from pairsim.commands.arguments import add_overrides, int_at_least, location_arg, path_arg
 from pairsim.commands.datasets import add_shards_parser
+from pairsim.commands.embed import add_embed_parser
+from pairsim.commands.search import add_search_parsers
 from pairsim.commands.runs import (DEMO_CONFIG, DEMO_SWEEP, OBJECTIVES, SweepFailed, objective_config,
                                    shipped_objectives)
 from pairsim.commands.runs import demo as _demo  # looked up here when the parser is built: a test stands in for it
@@ -99,9 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="open_clip weights (+ heads side file) from a checkpoint or run")
     trained.add_model_source_flags(export)
     export.add_argument("--out", type=path_arg, required=True, help="weights file, e.g. model.pt")
-    export.add_argument("--register", metavar="NAME", help="also log it with mlflow.pytorch.log_model and register "
-                                                             "it under NAME in MLflow's model registry")
+    export.add_argument("--register", metavar="NAME", help="also register it under NAME in MLflow's model registry "
+                                                             "as a pyfunc model serving embeddings (`mlflow models "
+                                                             "serve`), with its mlflow.pytorch model logged beside it")
     export.set_defaults(func=trained.export)
+
+    add_embed_parser(sub)
+    add_search_parsers(sub)
 
     ckpts = sub.add_parser("checkpoints", help="a run's checkpoints: list them, or verify files and checksums "
                                                "(exit 1 when one fails)").add_subparsers(dest="checkpoints_command",
