@@ -392,6 +392,7 @@ def test_every_command_names_the_function_that_runs_it():
     commands = dict(leaves(build_parser()))
     assert {" ".join(c) for c in commands} == {
         "demo", "train", "tune", "extract-teacher", "shards build", "shards inspect", "shards verify", "evaluate", "export",
+        "embed", "index", "search",
         "checkpoints list", "checkpoints verify", "doctor", "registry", "data synth"}
     assert all(callable(parser.get_default("func")) for parser in commands.values())
 
