@@ -236,8 +236,9 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
                include_paths: bool = False, data: shards.RunData | None = None,
                ledger_name: str | None = None, files: list[Location] | None = None) -> ray.data.Dataset:
     """A split's shards (or only ``files`` of them), only ``columns`` parsed; file order shuffled
-    each epoch (seeded) unless ``shuffle_seed`` is False. The shards are checked against the manifest ``data`` holds (a run's,
-    read once by the driver), else against the one read from the split's dataset directory: their
+    each epoch (seeded) unless ``shuffle_seed`` is False. The shards are checked against the
+    manifest ``data`` holds (a run's, read once by the driver), else against the one read from the
+    split's dataset directory: their
     number before the read, each one's SHA-256 as it is read (``data.shard_checks``, see
     :mod:`pairsim.data.shard_reader`; shards left out go to ``ledger_name``'s ledger).
 
