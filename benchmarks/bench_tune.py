@@ -15,13 +15,21 @@ Then a trial's start-up by phase (``perf/startup/<phase>_s`` of every trial's ML
 the floor of ``bench_startup.py`` (a fresh process importing torch, deepspeed and open_clip and
 building the model), measured in the same run; all of it into the results files.
 
+Last, warm trials against cold ones: a PBT sweep (perturbation every epoch, the margin
+mutated) with one worker per trial, run cold (a ``TorchTrainer`` per trial) and then warm
+(``sweep.warm``: each trial trained in its Tune trial actor, reused for the next): wall time,
+and each trial's first start-up — of the warm sweep, the first trial an actor ran apart from
+the later ones — against the floor.
+
 Targets: ASHA's best within 1 RSUM point of FIFO's with at most half its trial-epochs; a
-trial's start-up at most 1.2× a plain run's and at most 3× the floor.
+trial's start-up at most 1.2× a plain run's and at most 3× the floor; later warm trials' at
+most 1.5× the floor, the warm sweep's median at most 2×.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -36,21 +44,72 @@ from pairsim.data import synth
 from pairsim.train import driver
 from pairsim.tune.space import load_sweep
 from pairsim.tune.sweep import run_sweep
+from pairsim.tune.trial import PROCESS_TAG
 
 
-def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str) -> Path:
-    path = out / f"{scheduler}.yaml"
+SPACE = {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 100]}}
+PBT = {"perturbation_interval": 1, "quantile_fraction": 0.5, "mutations": {"loss.base.margin": SPACE["loss.base.margin"]}}
+
+
+def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str, warm: bool | None = None) -> Path:
+    """The sweep of ``scheduler``; ``warm`` given: one worker per trial, trained warm or cold."""
+    path = out / f"{scheduler}{'' if warm is None else '-warm' if warm else '-cold'}.yaml"
+    settings = {"search": "random", "seed": 0, "num_samples": args.trials, "scheduler": scheduler,
+                "max_concurrent_trials": 1}
+    if scheduler == "asha":
+        settings["asha"] = {"grace_period": 1, "reduction_factor": args.reduction_factor}
+    if scheduler == "pbt":
+        settings["pbt"] = PBT
+    if warm is not None:
+        settings |= {"warm": warm, "resources": {"num_workers": 1, "cpus_per_worker": 1}}
     path.write_text(yaml.safe_dump({
         "base": {"config": ["pairsim:demo.yaml"],
                  "data": {"path": str(data), "test_split": None},
                  "train": {"epochs": args.epochs, "log_every_n_steps": 50},
                  "ray": {"storage_path": str(out / "ray")},
                  "tracking": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "bench_tune"}},
-        "space": {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 100]}},
-        "sweep": {"search": "random", "seed": 0, "num_samples": args.trials, "scheduler": scheduler,
-                  "max_concurrent_trials": 1}
-        | ({"asha": {"grace_period": 1, "reduction_factor": args.reduction_factor}} if scheduler == "asha" else {})}))
+        "space": SPACE, "sweep": settings}))
     return path
+
+
+def warm_against_cold(out: Path, data: Path, args: argparse.Namespace, stamp: str, floor_seconds: float):
+    """The PBT sweep with one worker per trial, cold (a TorchTrainer per trial) then warm (each
+    trial in its reused Tune trial actor): wall time, and each trial's first start-up — of a warm
+    sweep the first trial an actor ran apart from the later ones — against the floor."""
+    sweeps = results.Table(
+        f"PBT, {args.trials} trials of {args.epochs} epochs, one worker each, one at a time (perturbation every "
+        "epoch): cold against warm",
+        ["sweep", "best val RSUM", "wall s", "actors", "first trial on an actor: start-up s",
+         "later trials: median start-up s", "all trials: median start-up s"],
+        ["", ".2f", ".0f", "d", ".1f", ".1f", ".1f"])
+    measured = {}
+    for warm in (False, True):
+        sweep = load_sweep(sweep_file(out, data, args, "pbt", warm))
+        started = time.perf_counter()
+        outcome = run_sweep(sweep, f"bench-pbt-{'warm' if warm else 'cold'}-{stamp}")
+        wall = time.perf_counter() - started
+        client = MlflowClient(outcome.tracking_uri)
+        runs = sorted((client.get_run(r.run_id) for r in outcome.rows if r.run_id), key=lambda run: run.info.start_time)
+        first_on_actor, later, seen = [], [], set()
+        for run in runs:
+            process = run.data.tags.get(PROCESS_TAG, run.info.run_id)  # a cold trial: a process group of its own
+            (later if process in seen else first_on_actor).append(startup_phases(outcome.tracking_uri, run.info.run_id)["total"])
+            seen.add(process)
+        every = first_on_actor + later
+        sweeps.add("warm" if warm else "cold", outcome.best.metric, wall, len(seen), statistics.median(first_on_actor),
+                   statistics.median(later) if later else math.nan, statistics.median(every))
+        measured[warm] = (wall, later, every)
+    targets = results.Table("Warm trials against the targets", ["measure", "value", "target"], ["", ".2f", ""])
+    (cold_wall, _, cold_every), (warm_wall, warm_later, warm_every) = measured[False], measured[True]
+    if warm_later:
+        targets.add(f"later warm trials' start-up / floor ({statistics.median(warm_later):.1f} / {floor_seconds:.1f} s)",
+                    statistics.median(warm_later) / floor_seconds, "≤ 1.5")
+    targets.add(f"warm sweep's median start-up / floor ({statistics.median(warm_every):.1f} / {floor_seconds:.1f} s)",
+                statistics.median(warm_every) / floor_seconds, "≤ 2")
+    targets.add(f"cold sweep's median start-up / floor ({statistics.median(cold_every):.1f} / {floor_seconds:.1f} s)",
+                statistics.median(cold_every) / floor_seconds, "(before)")
+    targets.add(f"warm sweep's wall time / cold's ({warm_wall:.0f} / {cold_wall:.0f} s)", warm_wall / cold_wall, "< 1")
+    return [sweeps, targets]
 
 
 def startup_seconds(tracking_uri: str, run_id: str) -> float:
@@ -120,7 +179,8 @@ def main() -> None:
     by_phase = results.Table(f"Trial start-up by phase, median of {len(trials)} trials", ["phase", "s"], ["", ".1f"])
     for p in phases:
         by_phase.add(p, median[p])
-    results.publish("bench_tune", [sweeps, targets, by_phase], args.results, time.perf_counter() - started)
+    warm = warm_against_cold(out, data, args, stamp, floor_seconds)
+    results.publish("bench_tune", [sweeps, targets, by_phase, *warm], args.results, time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -300,3 +300,21 @@ def test_an_export_written_before_cards_held_checksums_still_loads(tmp_path, mod
     assert loaded_card.sha256 is None
     for key, value in loaded.state_dict().items():
         torch.testing.assert_close(value, model.state_dict()[key], rtol=0, atol=0, msg=key)
+
+
+def test_a_run_trained_in_process_keeps_the_latest_and_its_two_best_checkpoints(tmp_path, model):
+    """:func:`checkpoints.keep_checkpoint`, for a run trained in the calling process (a warm sweep
+    trial), does what Ray Train's ``CheckpointConfig(num_to_keep=2)`` does for the others: each
+    checkpoint is copied in under a Ray Train name, then the two best by the val metric and the
+    latest stay, with no partial copy left behind."""
+    (tmp_path / "run").mkdir()
+    run, keeping = storage.Location.of(tmp_path / "run"), checkpoints.Keeping("val/rsum", "max")
+    kept = []
+    for rsum in (100.0, 120.0, 90.0, 110.0, 80.0):
+        source = tmp_path / f"saved-{rsum}"
+        source.mkdir()
+        (source / checkpoints.CARD_FILE).write_text(
+            card(model).model_copy(update={"val": {"val/rsum": rsum}}).model_dump_json())
+        kept.append(checkpoints.keep_checkpoint(source, run, keeping))
+    assert [c.name for c in checkpoints.checkpoints_in(run)] == [kept[4].name, kept[3].name, kept[1].name]
+    assert [p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".")] == []

@@ -38,9 +38,9 @@ def write_sweep(path: Path, data: Path, storage: Path, tracking_uri: str, space:
 
 @pytest.fixture(scope="module")
 def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
-    """Three trials against a real `mlflow server`, a union of two grids: a hinge margin of 0.2
-    with a learning rate of 2e-3 or 1e-7 (learns nothing: ASHA stops it after epoch 1), and a
-    margin of 1.5 (non-finite: fails) at 2e-3."""
+    """Three warm trials (each trained in its reused Tune trial actor) against a real `mlflow
+    server`, a union of two grids: a hinge margin of 0.2 with a learning rate of 2e-3 or 1e-7
+    (learns nothing: ASHA stops it after epoch 1), and a margin of 1.5 (non-finite: fails) at 2e-3."""
     from pairsim.tune.sweep import run_sweep
 
     root = tmp_path_factory.mktemp("asha")
@@ -48,7 +48,7 @@ def asha_sweep(ray_instance, tiny_dataset, tmp_path_factory, mlflow_server):
                        [{"loss.base.cos_margin": {"grid": [0.2]}, "optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
                         {"loss.base.cos_margin": {"grid": [1.5]}, "optim.lr": {"grid": [2.0e-3]}}],
                        {"search": "grid", "num_samples": 1, "scheduler": "asha",
-                        "asha": {"grace_period": 1, "reduction_factor": 2}, "max_concurrent_trials": 1})
+                        "asha": {"grace_period": 1, "reduction_factor": 2}, "max_concurrent_trials": 1, "warm": True})
     sweep = load_sweep(path, ["loss.base=cos_hinge_unstable"])
     return sweep, run_sweep(sweep, "asha")
 
@@ -247,8 +247,8 @@ def test_a_union_of_grids_runs_its_points_once_each(ray_instance, tiny_dataset, 
 
 
 def test_pbt_a_weak_trial_continues_from_a_strong_ones_checkpoint(ray_instance, tiny_dataset, tmp_path):
-    """Population Based Training, 2 trials of 2 epochs taking turns on the instance (one at a
-    time: each pauses after epoch 1 and resumes from its checkpoint). Learning rates 2e-3 and
+    """Population Based Training, 2 warm trials of 2 epochs taking turns on the instance (one at a
+    time: each pauses after epoch 1 and resumes from its checkpoint, in a reused trial actor). Learning rates 2e-3 and
     1e-7: once both have reported epoch 1, the lower half (lr 1e-7, learns nothing) continues
     from the upper half's epoch-1 checkpoint with its hyperparameters explored (lr ×1.2 or ×0.8,
     or drawn anew). Its MLflow child run records the clone and its learning rate per epoch; the
@@ -259,8 +259,8 @@ def test_pbt_a_weak_trial_continues_from_a_strong_ones_checkpoint(ray_instance, 
     path = write_sweep(tmp_path / "pbt.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"optim.lr": {"grid": [2.0e-3, 1.0e-7]}},
                        {"search": "grid", "num_samples": 1, "scheduler": "pbt", "max_concurrent_trials": 1,
-                        "pbt": {"perturbation_interval": 1, "quantile_fraction": 0.5,
-                                "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}})
+                        "warm": True, "pbt": {"perturbation_interval": 1, "quantile_fraction": 0.5,
+                                              "mutations": {"optim.lr": {"loguniform": [1.0e-4, 3.0e-3]}}}})
     sweep = load_sweep(path)
     outcome = run_sweep(sweep, "pbt")
     assert len(outcome.rows) == 2 and {r.status for r in outcome.rows} == {"finished"}
@@ -321,8 +321,8 @@ def test_pb2_proposes_a_clones_lr_once_the_population_has_progress_to_learn_from
 
 
 def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_path, capsys):
-    """Optuna's multi-objective TPE over m and γ for val RSUM and image→image mAP@R, 3 trials of
-    one epoch, two at a time: the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
+    """Optuna's multi-objective TPE over m and γ for val RSUM and image→image mAP@R, 3 warm trials
+    of one epoch, two at a time (two trial actors): the front in ``pareto.csv`` is what no trial dominates (by the trials' last-epoch
     values in ``results.csv``), each front trial's ``front/<trial>.yaml`` is its run config, the
     row printed as each trial ends shows its last i2i mAP@R too, and the parent run holds the
     front, its picture and those files."""
@@ -335,7 +335,7 @@ def test_several_metrics_give_a_pareto_front(ray_instance, tiny_dataset, tmp_pat
     path = write_sweep(tmp_path / "front.yaml", tiny_dataset, tmp_path / "ray", uri,
                        {"loss.base.margin": {"uniform": [0.0, 0.4]}, "loss.base.gamma": {"loguniform": [10, 60]}},
                        {"search": "optuna", "num_samples": 3, "metric": ["rsum", "i2i_mAP@R"],
-                        "max_concurrent_trials": 2})
+                        "max_concurrent_trials": 2, "warm": True})
     sweep = load_sweep(path, ["train.epochs=1"])
     outcome = run_sweep(sweep, "front")
     assert len(outcome.rows) == 3 and {r.status for r in outcome.rows} == {"finished"}

@@ -199,8 +199,11 @@ def test_space_whose_every_point_is_ordered_is_valid(tmp_path):
     ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"asha": {"grace_period": 3, "max_t": 2}},
      "sweep.asha.grace_period:", r"3 epochs is more than the 2 a trial runs"),
     ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"num_sample": 4}, "sweep.num_sample:", r"unknown key"),
+    ({"loss.base.margin": {"uniform": [0.1, 0.2]}}, {"warm": True}, "sweep.warm:", r"one worker.* have 2 train"),
+    ({"train.num_workers": {"choice": [1, 2]}}, {"warm": True}, "sweep.warm:", r"have a swept train\.num_workers"),
 ], ids=["optuna-with-grid", "grid-with-uniform", "fifo-with-asha", "zero-samples", "min-for-rsum",
-        "max-for-median-rank", "unknown-search", "grace-beyond-max-t", "misspelt-setting"])
+        "max-for-median-rank", "unknown-search", "grace-beyond-max-t", "misspelt-setting", "warm-with-two-workers",
+        "warm-with-swept-workers"])
 def test_bad_sweep_setting_is_named(tmp_path, space, sweep, prefix, expected):
     message = sweep_error(write_sweep(tmp_path, space=space, sweep=sweep))
     line = line_of(message, prefix)

@@ -7,11 +7,17 @@ tensors from wherever they are; results come back on the caller's device.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 
 # the device type each backend reduces on; other backends are asked through torch
 BACKEND_DEVICES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "xccl": "xpu"}
+SINGLE_RANK_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}  # a launcher's, for one process
 
 
 def is_distributed() -> bool:
@@ -24,6 +30,33 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def single_process_group(backend: str = "gloo") -> Iterator[None]:
+    """A process group of this process alone for the ``with`` block — what DeepSpeed builds an
+    engine in — for a run trained in the calling process (a warm sweep trial), with the
+    launcher's variables DeepSpeed reads (:data:`SINGLE_RANK_ENV`); destroyed after, and the
+    environment as it was, so the next run in the process starts without one. Its rendezvous is
+    a file, not a port."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a process group: one run at a time trains in it")
+    before = {name: os.environ.get(name) for name in SINGLE_RANK_ENV}
+    os.environ.update(SINGLE_RANK_ENV)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pairsim-pg-") as tmp:
+            dist.init_process_group(backend, store=dist.FileStore(f"{tmp}/store", 1), rank=0, world_size=1)
+            try:
+                yield
+            finally:
+                if dist.is_initialized():  # Ray Train's local mode destroys it when its run ends
+                    dist.destroy_process_group()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def collective_device(backend: str | None = None) -> torch.device:

@@ -251,7 +251,8 @@ class Outcome:
 def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
     """Ends ``run_id`` when the block exits: FINISHED if it set ``succeeded``; KILLED, tagged
     ``pairsim.stopped_by``, when a ``KeyboardInterrupt`` stopped it (Ctrl-C, or
-    :class:`pairsim.signals.JobStopped` on SIGTERM), which propagates; FAILED otherwise, tagged
+    :class:`pairsim.signals.JobStopped` on SIGTERM) or Tune's ``SystemExit`` (a warm sweep
+    trial stopped or paused), which propagates; FAILED otherwise, tagged
     ``pairsim.error`` with the exception. Child runs still RUNNING (a sweep's trials) end with
     a KILLED or FAILED parent, as KILLED: none of them goes on without it."""
     outcome, status, tags = Outcome(), "FAILED", {}
@@ -261,6 +262,9 @@ def ending_run(tracking_uri: str, run_id: str) -> Iterator[Outcome]:
             status = "FINISHED"
     except KeyboardInterrupt as exc:
         status, tags = "KILLED", {STOPPED_TAG: str(exc) or "KeyboardInterrupt"}
+        raise
+    except SystemExit:  # a warm sweep trial that Tune's scheduler stops or pauses at a report
+        status, tags = "KILLED", {STOPPED_TAG: "its sweep's scheduler"}
         raise
     except Exception as exc:
         tags = {ERROR_TAG: error_text(exc)}

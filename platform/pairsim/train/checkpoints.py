@@ -29,6 +29,8 @@ import os
 import pickle
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -260,10 +262,12 @@ def best_checkpoint(run: storage.Location, metric: str, mode: str,
     raise FileNotFoundError(f"no checkpoint of {run} with a finite {metric} passes verification")
 
 
-def restore(engine, run_dir: str) -> tuple[int, int]:
+def restore(engine, run_dir: str, in_process: bool = False) -> tuple[int, int]:
     """Load ``engine`` from :func:`resume_point` (rank 0 chooses, every rank loads its choice) and
-    return (first epoch to run, global step), or (0, 0) when there is nothing to resume."""
-    latest = ray.train.get_checkpoint()
+    return (first epoch to run, global step), or (0, 0) when there is nothing to resume. A run
+    trained in the calling process (``in_process``) has no Ray Train record to ask: only
+    checkpoints that verify are taken."""
+    latest = None if in_process else ray.train.get_checkpoint()
     run = storage.Location.of(run_dir)
     choice: list[str | None] = [None]  # the checkpoint's name, or "!" + why the run cannot resume
     if dist.rank() == 0:
@@ -288,18 +292,59 @@ def restore(engine, run_dir: str) -> tuple[int, int]:
     return client_state["epoch"] + 1, client_state["global_step"]
 
 
-def save_checkpoint(engine, epoch: int, step: int, card: ModelCard | None, metrics: dict[str, Any]) -> None:
-    """Save the engine on every rank (rank 0 adds the model ``card``), each rank's checksums
-    beside its files, and report the merged checkpoint with ``metrics`` to Ray Train, which
-    keeps it."""
+@dataclass(frozen=True)
+class Keeping:
+    """Which checkpoints of a run stay: the latest and the ``num_to_keep`` best by the val
+    ``metric`` (``mode``: max or min) — the run's Ray Train ``CheckpointConfig``, which
+    :func:`keep_checkpoint` applies itself to a run trained in the calling process (Ray Train's
+    local mode keeps only the last checkpoint, in memory)."""
+
+    metric: str
+    mode: str
+    num_to_keep: int = 2
+
+
+def keep_checkpoint(ckpt_dir: str | Path, run: storage.Location, keeping: Keeping) -> storage.Location:
+    """Copy the checkpoint ``ckpt_dir`` into ``run`` under a name as Ray Train gives one
+    (``checkpoint_<time>``, copied under a hidden name first, then renamed) and delete the
+    run's checkpoints ``keeping`` lets go. Returns where it is."""
+    name = f"checkpoint_{datetime.now().strftime('%Y-%m-%d_%H-%M-%S.%f')}"
+    partial = run / f".{name}.partial"
+    run.fs.create_dir(partial.path, recursive=True)
+    pyarrow.fs.copy_files(str(ckpt_dir), partial.path, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=run.fs)
+    run.fs.move(partial.path, (run / name).path)
+    scored = []
+    for candidate in checkpoints_in(run):  # newest first: the one just kept leads, and wins ties
+        value = None
+        with contextlib.suppress(MetadataError, OSError):
+            value = saved.read_card(candidate / CARD_FILE).val.get(keeping.metric)
+        finite = isinstance(value, (int, float)) and math.isfinite(value)
+        scored.append((value if finite else -math.inf if keeping.mode == "max" else math.inf, candidate))
+    ranked = sorted(scored, key=lambda item: item[0], reverse=keeping.mode == "max")  # sorted() keeps ties' order
+    for _, candidate in ranked[keeping.num_to_keep:]:
+        if candidate.name != name:  # the latest stays, as Ray Train keeps it
+            candidate.fs.delete_dir(candidate.path)
+    return run / name
+
+
+def save_checkpoint(engine, epoch: int, step: int, card: ModelCard | None, report: dict[str, Any],
+                    keep_in: tuple[storage.Location, Keeping] | None = None) -> str | None:
+    """Save the engine on every rank (rank 0 adds the model ``card``) and each rank's checksums
+    beside its files; then ``ray.train.report`` the merged checkpoint with ``report`` (Ray Train
+    keeps it), or, for a run trained in the calling process (``keep_in``: its run directory and
+    :class:`Keeping`), keep it there (:func:`keep_checkpoint`) and return where: inside a Tune
+    trial Ray Train's report is not to be called, the trial reports to Tune itself."""
     with tempfile.TemporaryDirectory() as ckpt_dir:
         engine.save_checkpoint(ckpt_dir, tag=CHECKPOINT_TAG, client_state={"epoch": epoch, "global_step": step})
         if card is not None:
             (Path(ckpt_dir) / CARD_FILE).write_text(card.model_dump_json(indent=2))
         write_checksums(ckpt_dir, dist.rank(), dist.world_size())
         dist.barrier()
-        ray.train.report({"epoch": epoch + 1, "step": step, **metrics},
-                         checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
+        if keep_in is not None:
+            return keep_checkpoint(ckpt_dir, *keep_in).uri
+        ray.train.report(report, checkpoint=ray.train.Checkpoint.from_directory(ckpt_dir))
+        return None
 
 
 def checkpoint_card(checkpoint: str | Path) -> ModelCard:

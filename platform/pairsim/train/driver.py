@@ -11,10 +11,13 @@ checkpoint and evaluates it once on the test split. What differs for a sweep's t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import gc
 import logging
 import pickle
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -22,10 +25,11 @@ from typing import Any
 
 import ray
 import ray.train
+import torch
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
-from pairsim import build, cluster, compat, locks, log, signals, storage, tracking
+from pairsim import build, cluster, compat, dist, locks, log, signals, storage, tracking
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards
 from pairsim.data.shard_reader import checksum_failure
@@ -34,7 +38,7 @@ from pairsim.models import clip, retrieval
 from pairsim.teachers.store import TeacherStore
 from pairsim.train import checkpoints, engine
 from pairsim.train.recipe import train_loop_per_worker
-from pairsim.train.worker import StartupClock, WorkerJob, selection_metric
+from pairsim.train.worker import InProcess, StartupClock, WorkerJob, selection_metric
 
 logger = log.get_logger("train")
 
@@ -199,7 +203,10 @@ class RunRole:
     ``startup_retries`` times (a trial that cannot get its workers fails instead of holding the
     sweep). ``logged_params``: keys logged each epoch as ``hparam/<key>`` (a PBT trial's schedule);
     ``reset_temperatures`` sets every τ to its configured init after the checkpoint is loaded (a
-    PBT clone whose τ init was mutated)."""
+    PBT clone whose τ init was mutated). ``report_in_process`` set: one worker trained in the
+    calling process (Ray Train's local mode: a warm sweep trial, :mod:`pairsim.tune.trial`), which
+    keeps its checkpoints and hands each epoch's report and checkpoint to it (:class:`InProcess`)
+    instead of ``callbacks``."""
 
     holds_name: bool = True
     tested: bool = True
@@ -209,13 +216,15 @@ class RunRole:
     startup_retries: int = -1  # Ray's default: no limit
     logged_params: tuple[str, ...] = ()
     reset_temperatures: bool = False
+    report_in_process: Callable[[dict[str, Any], str], None] | None = None
 
     @classmethod
     def sweep_trial(cls, parent_run_id: str, tags: dict[str, str], callbacks: tuple[UserCallback, ...],
-                    logged_params: tuple[str, ...] = (), reset_temperatures: bool = False) -> RunRole:
+                    logged_params: tuple[str, ...] = (), reset_temperatures: bool = False,
+                    report_in_process: Callable[[dict[str, Any], str], None] | None = None) -> RunRole:
         return cls(holds_name=False, tested=False, parent_run_id=parent_run_id, tags=tags, callbacks=callbacks,
                    startup_retries=STARTUP_RETRIES, logged_params=logged_params,
-                   reset_temperatures=reset_temperatures)
+                   reset_temperatures=reset_temperatures, report_in_process=report_in_process)
 
 
 STANDALONE = RunRole()
@@ -241,6 +250,22 @@ def fit(cfg: RunConfig, role: RunRole = STANDALONE, resume: bool = False) -> Tra
         if role.holds_name:
             check_resume(cfg, run_name, resume)
         return launch(cfg, plan, run_name, clock, role)
+
+
+@contextlib.contextmanager
+def trained_here(cfg: RunConfig):
+    """Around a run trained in the calling process: its process group (one rank: NCCL on a GPU,
+    else gloo), and the engine's memory handed back after, for the next run in the process (the
+    C heap's free pages too, where glibc's ``malloc_trim`` is there to ask)."""
+    try:
+        with dist.single_process_group("nccl" if cfg.train.use_gpu else "gloo"):
+            yield
+    finally:
+        gc.collect()
+        if cfg.train.use_gpu:
+            torch.cuda.empty_cache()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
@@ -288,10 +313,18 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
         "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, plan.data),
         "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, ledger_name, plan.data),
     }
+    data_config = DataConfig(datasets_to_split=["train"], execution_options={
+        name: ingest.execution_options(cfg, roles.data, ordered=name == "train") for name in datasets})
+    keeping = checkpoints.Keeping(selection_metric(cfg), cfg.eval.select_mode)
+    in_process = role.report_in_process and InProcess(role.report_in_process, keeping)
+    if in_process:  # Ray Train's local mode hands the loop each dataset as given: split here, for one worker
+        datasets = data_config.configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)[0]
     worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
                                                              if cfg.train.use_gpu else {})
     run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
+    if in_process:  # where Ray Train would have made it
+        run_dir.fs.create_dir(run_dir.path, recursive=True)
     clock.lap("datasets")
     # The job goes pickled: the Train controller unpickles train_loop_config before it asks for
     # workers, and a WorkerJob would make it import torch, open_clip and DeepSpeed first.
@@ -303,26 +336,25 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
                                                            for key in role.logged_params},
                                             reset_temperatures=role.reset_temperatures,
-                                            train_images=plan.data.split(cfg.data.train_split).images))},
-        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                            train_images=plan.data.split(cfg.data.train_split).images,
+                                            in_process=in_process))},
+        scaling_config=ScalingConfig(num_workers=0 if in_process else cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=worker_resources, label_selector=roles.train),
         run_config=ray.train.RunConfig(
             name=run_name, **ray_storage(cfg),
-            checkpoint_config=CheckpointConfig(num_to_keep=2, checkpoint_score_attribute=selection_metric(cfg),
-                                               checkpoint_score_order=cfg.eval.select_mode),
+            checkpoint_config=CheckpointConfig(num_to_keep=keeping.num_to_keep, checkpoint_score_attribute=keeping.metric,
+                                               checkpoint_score_order=keeping.mode),
             failure_config=FailureConfig(max_failures=cfg.ray.max_failures,
                                          controller_failure_limit=role.startup_retries),
             callbacks=list(role.callbacks)),
         datasets=datasets,
-        dataset_config=DataConfig(datasets_to_split=["train"],
-                                  execution_options={name: ingest.execution_options(cfg, roles.data, ordered=name == "train")
-                                                     for name in datasets}),
+        dataset_config=data_config,
     )
     best_path, test_metrics = None, {}
     with tracking.ending_run(tracking_uri, run_id) as outcome, signals.stop_on_signals():
         try:
             try:
-                with compat.ray.ctrl_c_in_fit():
+                with trained_here(cfg) if in_process else compat.ray.ctrl_c_in_fit():
                     result = trainer.fit()
             except ray.train.TrainingFailedError as exc:  # a shard that fails its check is reported as itself
                 if (bad_shard := checksum_failure(exc)) is not None:

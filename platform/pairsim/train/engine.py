@@ -191,6 +191,16 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any], objective: Objectiv
     return engine
 
 
+def release_process_group() -> None:
+    """End the process group through DeepSpeed (``deepspeed.comm.destroy_process_group``), which
+    also drops the groups it derived and caches per process: a run trained in the calling
+    process does this as it ends, so the next engine built there starts from none."""
+    import deepspeed.comm
+
+    if deepspeed.comm.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
 @torch.no_grad()
 def clamp_temperatures(engine, to_init: bool = False) -> None:
     """Clamp every learnable temperature of the engine's module into its range after

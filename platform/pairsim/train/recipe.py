@@ -16,7 +16,7 @@ import pickle
 import ray.train
 import torch
 
-from pairsim import dist, log
+from pairsim import dist, log, storage
 from pairsim.build import build_objective, teacher_sources
 from pairsim.data import ingest
 from pairsim.eval import suite
@@ -67,7 +67,7 @@ class Recipe:
         clock.lap("engine")
         self.dtype = engines.DTYPES[cfg.train.precision]
         self.live_teachers, _ = teacher_sources(cfg)  # extracted features come with the batch
-        self.start_epoch, self.step = checkpoints.restore(self.engine, job.run_dir)
+        self.start_epoch, self.step = checkpoints.restore(self.engine, job.run_dir, job.in_process is not None)
         if self.step and job.reset_temperatures:
             engines.clamp_temperatures(self.engine, to_init=True)
         clock.lap("restore")
@@ -133,13 +133,27 @@ class Recipe:
 
     def save(self, epoch: int, metrics: dict[str, float]) -> None:
         """The epoch's checkpoint, saved by every rank (:func:`checkpoints.save_checkpoint`), with
-        rank 0's model card and val ``metrics`` (which Ray Train ranks checkpoints by)."""
+        rank 0's model card and val ``metrics`` (which Ray Train ranks checkpoints by); a run
+        trained in the calling process keeps it itself and reports it (``job.in_process``)."""
         card = None
         if self.rank == 0:
             card = retrieval.model_card(self.cfg.model, self.engine.module.model, zero_stage=self.cfg.train.zero_stage,
                                         epoch=epoch + 1, step=self.step, val=metrics)
-        checkpoints.save_checkpoint(self.engine, epoch, self.step, card, metrics)
+        report, in_process = {"epoch": epoch + 1, "step": self.step, **metrics}, self.job.in_process
+        kept = checkpoints.save_checkpoint(
+            self.engine, epoch, self.step, card, report,
+            keep_in=in_process and (storage.Location.of(self.job.run_dir), in_process.keeping))
+        if in_process:
+            in_process.report(report, kept)
 
     def cleanup(self) -> None:
-        """Rank 0's last pictures and buffered metrics to MLflow; also after a failed step."""
-        self.hooks.close()
+        """Rank 0's last pictures and buffered metrics to MLflow; also after a failed step. A
+        run trained in the calling process also ends what would outlive it there: the engine
+        (``destroy``: its optimizer's hooks, and Python's automatic GC, which DeepSpeed turns off
+        while an engine lives) and the process group, DeepSpeed's cached groups with it."""
+        try:
+            self.hooks.close()
+        finally:
+            if self.job.in_process:
+                self.engine.destroy()
+                engines.release_process_group()

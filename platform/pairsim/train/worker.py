@@ -22,6 +22,18 @@ from pairsim.config import RunConfig
 from pairsim.eval import inference, suite
 from pairsim.models import clip
 from pairsim.teachers.encoders import MODALITIES, Teacher
+from pairsim.train.checkpoints import Keeping
+
+
+@dataclass(frozen=True)
+class InProcess:
+    """How a run trained in the calling process (Ray Train's local mode: a warm sweep trial)
+    keeps and reports its checkpoints, which Ray Train then neither keeps nor hands to callbacks:
+    each is kept in the run directory by ``keeping`` and passed with its epoch's report to
+    ``report(metrics, checkpoint_uri)``."""
+
+    report: Callable[[dict[str, Any], str], None]
+    keeping: Keeping
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class WorkerJob:
     logged_params: dict[str, float]  # logged with each epoch's val metrics (a PBT trial's hyperparameters)
     reset_temperatures: bool  # every τ to its configured init once the checkpoint is loaded
     train_images: int  # in the train split (data.audit_epochs counts those trained)
+    in_process: InProcess | None = None  # trained in the calling process (local mode)
 
 
 class StartupClock:

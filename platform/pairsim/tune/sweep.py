@@ -8,7 +8,8 @@ Each epoch's val metrics go from the run's Ray Train callback to Tune: Ray's
 :class:`pairsim.train.callbacks.TrialReporter` over a Ray queue to the trial function, which
 reports them with the checkpoint (:func:`pairsim.tune.trial.fit_reporting_checkpoints`); the
 search (Optuna) and scheduler (ASHA, PBT, PB2) read those reports, and the driver's
-:class:`SweepProgress` prints them.
+:class:`SweepProgress` prints them. A warm sweep (``sweep.warm``) trains each one-worker trial in
+its Tune trial actor, reused from trial to trial (:func:`trial_function_resources`).
 
 MLflow: one parent run per sweep (the space, the settings, the results and plots), one child run
 per trial (``mlflow.parentRunId``; the trial's full config as params, its curves), ended
@@ -223,14 +224,32 @@ HEAD_NODE_FOR_TRIALS = 0.9  # of it; Ray Train's own head-node actors take 0.001
 
 
 def trial_function_resources(sweep: Sweep, trials_at_once: int) -> dict[str, float]:
-    """What a trial function reserves: no CPU (it waits on its TorchTrainer), and under PBT a
+    """What a trial function reserves. A cold trial's waits on its TorchTrainer: no CPU of its
+    own (Ray wants some resource: memory). A warm trial's trains in it: its worker's CPUs (and
+    GPU share), as the TorchTrainer's worker would. Either way Ray Data's tasks, which Ray Data
+    schedules outside the trial's placement group (``SPREAD``), take ``ray.data_cpus`` of the
+    cluster's free CPUs (the trial's cap: ``data.max_cpus``). Under PBT either adds a
     1/``trials_at_once`` share of :data:`HEAD_NODE_FOR_TRIALS` of the head node's
     :data:`HEAD_NODE` unit, so that the whole population can exist (PBT compares it) while only
     ``trials_at_once`` trials run; the others wait as Tune's pending or paused trials and take
     turns."""
     share = ({HEAD_NODE: math.floor(1e4 * HEAD_NODE_FOR_TRIALS / trials_at_once) / 1e4}
              if sweep.settings.pbt else {})
-    return {"CPU": 0, "memory": TRIAL_MEMORY} | share
+    train = sweep.base.train
+    worker = {"CPU": train.cpus_per_worker} | ({"GPU": train.gpus_per_worker} if train.use_gpu else {})
+    return (worker if sweep.settings.warm else {"CPU": 0}) | {"memory": TRIAL_MEMORY} | share
+
+
+def check_warm_placement(sweep: Sweep) -> None:
+    """Tune places a warm trial's actor, where the trial trains, by its resources alone: refused
+    on a cluster whose nodes carry roles (``ray.node_roles``), which it could not follow."""
+    if not sweep.settings.warm:
+        return
+    roles = cluster.node_roles(sweep.base.ray.node_roles)
+    if roles.train or roles.data:
+        raise ConfigError(f"sweep.warm: the cluster's nodes carry roles ({roles.train} trains, {roles.data} reads "
+                          "data), and Tune places a warm trial's actor, where it trains, without them: set "
+                          "sweep.warm: false, or ray.node_roles.placement: off")
 
 
 @dataclass
@@ -277,6 +296,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
     cluster.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
                     log_to_driver=sweep.settings.verbose_trials)
     trials_at_once = concurrency(sweep)
+    check_warm_placement(sweep)
     parent_run_id, reopened = tracking.open_sweep_run(
         tracking_uri, base.tracking.experiment, name, sweep.params(),
         {"pairsim.search": sweep.settings.search, "pairsim.scheduler": sweep.settings.scheduler,
@@ -293,7 +313,6 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
     job = TrialJob(sweep, name, parent_run_id, str(exp_dir / "runs"), tracking_uri,
                    logging.getLevelName(logger.getEffectiveLevel()) if sweep.settings.verbose_trials
                    else TRIAL_LOG_LEVEL, tracking.context_tags())
-    # the trial function only waits on its TorchTrainer: no CPU of its own (Ray wants some resource)
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")  # trials see the driver's directory, as a run does
     trainable = tune.with_resources(tune.with_parameters(run_trial, job=job), trial_function_resources(sweep, trials_at_once))
     try:  # Tune writes its state from here on: recorded however the driver stops (but SIGKILL)
@@ -338,8 +357,11 @@ def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, trac
                                     mode=None if sweep.multi_objective else sweep.mode, search_alg=search_alg,
                                     scheduler=scheduler, num_samples=settings.num_samples,
                                     max_concurrent_trials=searcher_limit, trial_name_creator=TrialName(name),
-                                    trial_dirname_creator=TrialName(name), reuse_actors=False),
+                                    trial_dirname_creator=TrialName(name), reuse_actors=settings.warm),
         run_config=tune.RunConfig(name=name, storage_path=str(exp_dir.parent), verbose=0,
+                                  # a cold trial's Ray Train retries its workers; Tune retries a warm one
+                                  failure_config=tune.FailureConfig(max_failures=sweep.base.ray.max_failures
+                                                                    if settings.warm else 0),
                                   callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep)),
                                              TuneStateRecorder(exp_dir, state)],
                                   checkpoint_config=tune.CheckpointConfig(

@@ -11,6 +11,11 @@ the checkpoint's path. Under them the run trains in a thread of the trial functi
 (:func:`fit_reporting_checkpoints`): :class:`~pairsim.train.callbacks.TrialReporter` puts each
 report, with its checkpoint's path, on a Ray queue, and the function reports it to Tune with the
 checkpoint as the trial's Tune checkpoint (:func:`report_checkpoint`).
+
+A warm trial (``sweep.warm``, one worker) trains in the trial function's own process instead —
+Tune's trial actor, which Tune reuses for the next trial — through Ray Train's local mode
+(:attr:`pairsim.train.driver.RunRole.report_in_process`): the run keeps its checkpoints itself
+and hands each epoch's report to :class:`TuneReport`, which reports it to Tune from there.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import json
 import math
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from pydantic import BaseModel, ConfigDict
 from ray import tune
 from ray.tune.integration.ray_train import TuneReportCallback
@@ -40,6 +47,10 @@ CLONE_INFO = "pairsim-trial.json"  # in a PBT trial's Tune checkpoint: whose it 
 CLONE_INFO_MAX_BYTES = 4096
 CLONED_FROM_TAG = "pairsim.pbt.cloned_from"
 TRIAL_TAG = "pairsim.trial_id"
+PROCESS_TAG = "pairsim.trial_process"  # a warm trial's host:pid, shared by the trials its actor ran
+PROCESS_AT_START_TAG = "pairsim.trial_process_at_start"  # its resident memory (MiB) and threads as it began
+TRIAL_THREAD_TIMEOUT_VAR = "TUNE_FUNCTION_THREAD_TIMEOUT_S"  # how long Tune waits for a trial to end before reuse
+TRIAL_THREAD_TIMEOUT_S = 120  # a warm trial stopped mid-run ends its MLflow run, engine and process group first
 
 
 class CloneInfo(BaseModel):
@@ -135,14 +146,22 @@ def run_trial(config: dict[str, Any], job: TrialJob) -> None:
         logger.info("trial %s continues from trial %s at epoch %d with %s", trial_id, clone.trial_id, clone.epoch,
                     point)
 
-    def trial(reporter) -> driver.RunRole:
+    scratch = Path(job.runs_path) / ".tune-reports"
+
+    def trial(reporter=None, report_in_process=None) -> driver.RunRole:
         return driver.RunRole.sweep_trial(
-            job.parent_run_id, tags, (reporter,), tuple(pbt.mutations) if pbt else (),
-            reset_temperatures=bool(clone) and any(k.endswith(".init") for k in pbt.mutations))
+            job.parent_run_id, tags, (reporter,) if reporter else (), tuple(pbt.mutations) if pbt else (),
+            reset_temperatures=bool(clone) and any(k.endswith(".init") for k in pbt.mutations),
+            report_in_process=report_in_process)
 
     try:
-        if pbt:
-            fit_reporting_checkpoints(cfg, trial, trial_id, Path(job.runs_path) / ".tune-reports")
+        if job.sweep.settings.warm:
+            os.environ.setdefault(TRIAL_THREAD_TIMEOUT_VAR, str(TRIAL_THREAD_TIMEOUT_S))
+            tags |= {PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}", PROCESS_AT_START_TAG: json.dumps({
+                "rss_mib": round(psutil.Process().memory_info().rss / 2**20), "threads": threading.active_count()})}
+            driver.fit(cfg, trial(report_in_process=TuneReport(trial_id, str(scratch) if pbt else None)))
+        elif pbt:
+            fit_reporting_checkpoints(cfg, trial, trial_id, scratch)
         else:
             driver.fit(cfg, trial(TuneReportCallback()))
     except SystemExit:  # Tune paused or stopped the trial at a report (PBT): not a failure
@@ -153,6 +172,23 @@ def run_trial(config: dict[str, Any], job: TrialJob) -> None:
             tracking.set_run_status(tracking.resolve_tracking_uri(cfg.tracking.tracking_uri), run_id, "FAILED",
                                     {results.STATUS_TAG: "failed", tracking.ERROR_TAG: tracking.error_text(exc)})
         raise
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    """A warm trial's epoch reports, made to Tune from the trial's own process (the run trains
+    in it: :attr:`pairsim.train.driver.RunRole.report_in_process`); under PBT and PB2
+    (``scratch`` set) with the epoch's checkpoint as the trial's Tune checkpoint
+    (:func:`report_checkpoint`). Tune stops or pauses the trial by raising ``SystemExit`` here."""
+
+    trial_id: str
+    scratch: str | None
+
+    def __call__(self, metrics: dict[str, Any], checkpoint: str) -> None:
+        if self.scratch:
+            report_checkpoint(checkpoint, self.trial_id, metrics, Path(self.scratch))
+        else:
+            tune.report(metrics)
 
 
 def fit_reporting_checkpoints(cfg, trial, trial_id: str, scratch: Path) -> None:

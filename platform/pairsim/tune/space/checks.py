@@ -36,7 +36,8 @@ def _why_not_a_key(tree: dict[str, Any], key: str, dist: Distribution) -> str:
 
 def check_settings(sweep: Sweep, listed: bool, keys: list[str], errors: list[str]) -> None:
     """The settings against each other and the space: modes, scheduler and search, PBT's
-    mutations (added to the space when not in it: their first value drawn from them), ASHA."""
+    mutations (added to the space when not in it: their first value drawn from them), warm
+    trials' one worker, ASHA."""
     settings, spaces = sweep.settings, sweep.spaces
     if settings.mode is not None:
         given = [settings.mode] if isinstance(settings.mode, str) else settings.mode
@@ -83,6 +84,10 @@ def check_settings(sweep: Sweep, listed: bool, keys: list[str], errors: list[str
                           "loss.cusa.alpha/beta/teacher_temperature and a temperature's init/min/max")
         if not listed and key not in spaces[0]:
             spaces[0][key] = dist  # its first value drawn from the mutation's distribution
+    if settings.warm and (sweep.base.train.num_workers != 1 or "train.num_workers" in keys):
+        errors.append(f"sweep.warm: a warm trial trains one worker in its Tune trial actor; the trials here have "
+                      f"{'a swept' if 'train.num_workers' in keys else sweep.base.train.num_workers} "
+                      "train.num_workers (set sweep.resources.num_workers: 1, or warm: false)")
     if settings.asha and settings.asha.max_t is None and "train.epochs" in keys:
         errors.append("sweep.asha.max_t: needed when train.epochs is swept (ASHA's longest trial, in epochs)")
     if settings.asha and settings.asha.grace_period > sweep.epochs:

@@ -126,6 +126,11 @@ class SweepSettings(Section):
         None, ge=1, description="default: as many as the cluster's CPUs and GPUs hold (1 on a local instance)")
     resources: TrialResources = TrialResources()
     seed: Int | None = Field(0, description="seeds the search (random and optuna); null: unseeded")
+    warm: Bool = Field(
+        False, description="train each trial in its Tune trial actor, which Tune reuses for the next trial "
+                           "(reuse_actors): torch, DeepSpeed and open_clip are imported once per actor, not once per "
+                           "trial. For trials of one worker (train.num_workers 1) on a cluster without node roles; "
+                           "a failed trial is retried by Tune (ray.max_failures times) from its last checkpoint")
     verbose_trials: Bool = Field(False, description="show the trials' own logs (training progress) on the console")
     max_trials: Int = Field(
         MAX_TRIALS, ge=1, description="the most trials the sweep may start (num_samples × its grid points); a larger "
