@@ -29,6 +29,7 @@ most 1.5× the floor, the warm sweep's median at most 2×.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import time
@@ -59,7 +60,7 @@ def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str, 
     if scheduler == "asha":
         settings["asha"] = {"grace_period": 1, "reduction_factor": args.reduction_factor}
     if scheduler == "pbt":
-        settings["pbt"] = PBT
+        settings["pbt"] = copy.deepcopy(PBT)  # shares no object with SPACE: YAML would write an alias, which is refused
     if warm is not None:
         settings |= {"warm": warm, "resources": {"num_workers": 1, "cpus_per_worker": 1}}
     path.write_text(yaml.safe_dump({
@@ -68,7 +69,7 @@ def sweep_file(out: Path, data: Path, args: argparse.Namespace, scheduler: str, 
                  "train": {"epochs": args.epochs, "log_every_n_steps": 50},
                  "ray": {"storage_path": str(out / "ray")},
                  "tracking": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "bench_tune"}},
-        "space": SPACE, "sweep": settings}))
+        "space": copy.deepcopy(SPACE), "sweep": settings}))
     return path
 
 
