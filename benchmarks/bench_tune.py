@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import time
 from pathlib import Path
@@ -98,7 +97,7 @@ def warm_against_cold(out: Path, data: Path, args: argparse.Namespace, stamp: st
             seen.add(process)
         every = first_on_actor + later
         sweeps.add("warm" if warm else "cold", outcome.best.metric, wall, len(seen), statistics.median(first_on_actor),
-                   statistics.median(later) if later else math.nan, statistics.median(every))
+                   statistics.median(later) if later else None, statistics.median(every))
         measured[warm] = (wall, later, every)
     targets = results.Table("Warm trials against the targets", ["measure", "value", "target"], ["", ".2f", ""])
     (cold_wall, _, cold_every), (warm_wall, warm_later, warm_every) = measured[False], measured[True]

@@ -234,6 +234,21 @@ def resume_point(run: storage.Location, registered_through: str = "") -> storage
     return None
 
 
+def val_scores(run: storage.Location, metric: str) -> list[tuple[float | None, storage.Location]]:
+    """Each checkpoint of ``run``, newest first, with its model card's val ``metric``: None when
+    it has no card, no finite value, or a card that does not read (a save cut short, or not
+    pairsim's: reported)."""
+    scores = []
+    for candidate in checkpoints_in(run):
+        card, value = candidate / CARD_FILE, None
+        try:
+            value = saved.read_card(card).val.get(metric) if card.is_file() else None
+        except MetadataError as exc:
+            logger.warning("checkpoint %s has no model card to rank it by: %s", candidate, exc)
+        scores.append((value if isinstance(value, (int, float)) and math.isfinite(value) else None, candidate))
+    return scores
+
+
 @contextlib.contextmanager
 def best_checkpoint(run: storage.Location, metric: str, mode: str,
                     registered_through: str = "") -> Iterator[tuple[storage.Location, Path]]:
@@ -242,17 +257,8 @@ def best_checkpoint(run: storage.Location, metric: str, mode: str,
     ones that are not are reported and skipped. Every checkpoint in the run directory competes,
     not only those Ray Train's record ranks (a record set aside by
     :func:`set_aside_stale_snapshot` starts empty)."""
-    scored = []
-    for candidate in checkpoints_in(run):  # newest first, and sorted() keeps that order among ties
-        card = candidate / CARD_FILE
-        try:
-            value = saved.read_card(card).val.get(metric) if card.is_file() else None
-        except MetadataError as exc:  # cut short (a save that failed part way), or not pairsim's
-            logger.warning("checkpoint %s is skipped: %s", candidate, exc)
-            continue
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            scored.append((value, candidate))
-    for value, candidate in sorted(scored, key=lambda scored: scored[0], reverse=mode == "max"):
+    scored = [(value, candidate) for value, candidate in val_scores(run, metric) if value is not None]
+    for value, candidate in sorted(scored, key=lambda scored: scored[0], reverse=mode == "max"):  # ties: newest first
         with candidate.local_copy() as local:
             problems = verify_checkpoint(local)
             if trusted(candidate, problems, registered_through):
@@ -314,14 +320,10 @@ def keep_checkpoint(ckpt_dir: str | Path, run: storage.Location, keeping: Keepin
     pyarrow.fs.copy_files(str(ckpt_dir), partial.path, source_filesystem=pyarrow.fs.LocalFileSystem(),
                           destination_filesystem=run.fs)
     run.fs.move(partial.path, (run / name).path)
-    scored = []
-    for candidate in checkpoints_in(run):  # newest first: the one just kept leads, and wins ties
-        value = None
-        with contextlib.suppress(MetadataError, OSError):
-            value = saved.read_card(candidate / CARD_FILE).val.get(keeping.metric)
-        finite = isinstance(value, (int, float)) and math.isfinite(value)
-        scored.append((value if finite else -math.inf if keeping.mode == "max" else math.inf, candidate))
-    ranked = sorted(scored, key=lambda item: item[0], reverse=keeping.mode == "max")  # sorted() keeps ties' order
+    worst = -math.inf if keeping.mode == "max" else math.inf  # an unscored checkpoint goes first
+    scored = [(worst if value is None else value, candidate) for value, candidate in val_scores(run, keeping.metric)]
+    # newest first, and sorted() keeps that order among ties: the one just kept leads
+    ranked = sorted(scored, key=lambda item: item[0], reverse=keeping.mode == "max")
     for _, candidate in ranked[keeping.num_to_keep:]:
         if candidate.name != name:  # the latest stays, as Ray Train keeps it
             candidate.fs.delete_dir(candidate.path)
