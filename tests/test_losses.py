@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from conftest import on_gloo_ranks
 from pairsim.config import load_config
 from pairsim.build import build_objective
-from pairsim.losses import CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Temperature, TripletHN, Unified
+from pairsim.losses import (Bounded, CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Sigmoid, Temperature, TripletHN,
+                            Unified)
 from pairsim.losses import functional as L
 from toy_loss import CosineHinge
 
@@ -54,6 +55,17 @@ def naive_triplet(sim, margin, pos):
         i2t = max(s[i][j] for j in range(b) if j != i and not p[i][j])
         t2i = max(s[j][i] for j in range(b) if j != i and not p[j][i])
         total += max(i2t - s[i][i] + margin, 0) + max(t2i - s[i][i] + margin, 0)
+    return total / b
+
+
+def naive_sigmoid(sim, scale, bias, pos):
+    """SigLIP's eq. (1): −(1/|B|) Σ_i Σ_j log σ(z_ij (t·x_i·y_j + b)), −log σ(x) = log(1 + e^{−x})."""
+    (s, p), b = lists(sim, pos), len(sim)
+    total = 0.0
+    for i in range(b):
+        for j in range(b):
+            z = 1.0 if i == j or p[i][j] else -1.0
+            total += math.log1p(math.exp(-z * (scale * s[i][j] + bias)))
     return total / b
 
 
@@ -120,6 +132,33 @@ def test_triplet_hn_matches_naive(with_positives):
     pos = group_positives(GROUPS) if with_positives else torch.eye(12, dtype=torch.bool)
     got = L.triplet_hn_loss(sim, 0.3, pos if with_positives else None)
     assert got.item() == pytest.approx(naive_triplet(sim, 0.3, pos), rel=1e-10)
+
+
+@pytest.mark.parametrize("with_positives", [False, True])
+@pytest.mark.parametrize("scale,bias", [(10.0, -10.0), (1.0, 0.0), (50.0, -5.0)])
+def test_sigmoid_matches_naive(with_positives, scale, bias):
+    sim = unit(12, 16, 7) @ unit(12, 16, 8).T
+    pos = group_positives(GROUPS) if with_positives else torch.eye(12, dtype=torch.bool)
+    got = L.sigmoid_loss(sim, scale, bias, pos if with_positives else None)
+    assert got.item() == pytest.approx(naive_sigmoid(sim, scale, bias, pos), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sigmoid_equals_open_clips_siglip_loss(dtype):
+    """Against ``open_clip.loss.SigLipLoss`` (one process) on the same features, scale and bias:
+    the loss and the features' gradients."""
+    from open_clip.loss import SigLipLoss
+
+    image, text = unit(32, 16, 11, dtype).requires_grad_(True), unit(32, 16, 12, dtype).requires_grad_(True)
+    scale, bias = torch.tensor(10.0, dtype=dtype), torch.tensor(-10.0, dtype=dtype)
+    theirs = SigLipLoss()(image, text, scale, bias)
+    their_grads = torch.autograd.grad(theirs, [image, text])
+    ours = L.sigmoid_loss(image @ text.T, scale, bias)
+    our_grads = torch.autograd.grad(ours, [image, text])
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-12
+    assert ours.item() == pytest.approx(theirs.item(), rel=tolerance)
+    for mine, reference in zip(our_grads, their_grads):
+        torch.testing.assert_close(mine, reference, rtol=tolerance, atol=tolerance)
 
 
 def test_off_diagonal_positives_are_never_pushed_apart():
@@ -255,9 +294,11 @@ def test_module_losses_equal_the_functional_ones():
     f = features(12, 50)
     sim, pos = f["image"] @ f["text"].T, group_positives(GROUPS)
     tau = Temperature(0.05, 0.01, 0.1).double()
+    sigmoid = Sigmoid(Temperature(0.1, 0.01, 1.0), Bounded(-10.0, -100.0, 100.0)).double()
     for base, expected in [(InfoNCE(tau), L.infonce_loss(sim, 1 / tau(), pos)),
                            (Unified(0.2, 50.0), L.unified_loss(sim, 0.2, 50.0, pos)),
-                           (TripletHN(0.2), L.triplet_hn_loss(sim, 0.2, pos))]:
+                           (TripletHN(0.2), L.triplet_hn_loss(sim, 0.2, pos)),
+                           (sigmoid, L.sigmoid_loss(sim, 1 / sigmoid.temperature(), sigmoid.bias(), pos))]:
         got = ImageTextLoss(base)(image=f["image"], text=f["text"], group_ids=GROUPS)
         assert got.item() == pytest.approx(expected.item(), rel=1e-12)
         assert base(sim, pos).item() == pytest.approx(expected.item(), rel=1e-12)
@@ -362,6 +403,10 @@ MODULES = {
     "gcl_cusa_infonce": ["loss.structure=gcl", "loss.base=infonce",
                          "loss.cusa={image_teacher: {kind: initial_student}}"],
     "cusa_paper": CUSA_PAPER,
+    "image_text_sigmoid": ["loss.base=sigmoid"],
+    "gcl_sigmoid": ["loss.structure=gcl", "loss.base=sigmoid"],
+    "cusa_sigmoid": ["loss.base=sigmoid", "loss.cusa={image_teacher: {kind: initial_student}}"],
+    "image_text_sigmoid_no_groups": ["loss.base=sigmoid"],
     "image_text_infonce_no_groups": ["loss.base=infonce"],
     "image_text_triplet_hn_no_groups": ["loss.base=triplet_hn"],
 }

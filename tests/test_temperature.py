@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import on_gloo_ranks
-from pairsim.losses import Temperature
+from pairsim.losses import Bounded, Temperature
 
 LOW, HIGH = 0.01, 0.1
 
@@ -37,6 +37,21 @@ def test_temperature_returns_from_its_bound_under_any_torch_optimizer(optimizer,
     assert at_bound == pytest.approx(HIGH)  # the large step was clamped on the stored value
     assert LOW <= after < HIGH  # and the gradient pulled it back inside
     assert tau().item() == pytest.approx(after)
+
+
+def test_a_bias_of_any_sign_returns_from_its_bound_as_a_temperature_does():
+    """A :class:`Bounded` scalar (the sigmoid loss's bias, in [−20, 0]) under the same hook."""
+    bias = Bounded(-10.0, -20.0, 0.0)
+    opt = torch.optim.SGD(bias.parameters(), lr=2.0)
+
+    def step(loss):
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    at_bound, after = drive(step, lambda push: push * bias(), lambda: bias.value.item(), (10.0, -1.0))
+    assert at_bound == pytest.approx(-20.0)  # pushed down by 20, clamped on the stored value
+    assert -20.0 < after <= 0.0 and bias().item() == pytest.approx(after)
 
 
 def test_gradient_flows_at_and_beyond_a_bound():

@@ -17,9 +17,9 @@ from pairsim.config import ConfigError, RunConfig, Section
 from pairsim.config import components as c
 from pairsim.config.components import Family
 from pairsim.config.fields import leading_keys
-from pairsim.losses.modules import (BaseLoss, CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Structure,
-                                    TripletHN, Unified)
-from pairsim.losses.temperature import Temperature
+from pairsim.losses.modules import (BaseLoss, CUSALoss, GCLLoss, ImageTextLoss, InfoNCE, Objective, Sigmoid,
+                                    Structure, TripletHN, Unified)
+from pairsim.losses.temperature import Bounded, Temperature
 from pairsim.teachers.encoders import (MODALITIES, InitialStudentTeacher, OpenCLIPTeacher, SentenceTransformerTeacher,
                                        Teacher)
 from pairsim.teachers.store import TeacherStore
@@ -34,6 +34,8 @@ FACTORIES: dict[type[Section], Callable[..., Any]] = {
     c.InfoNCEParams: lambda p: InfoNCE(temperature(p.temperature)),
     c.UnifiedParams: lambda p: Unified(p.margin, p.gamma),
     c.TripletHNParams: lambda p: TripletHN(p.margin),
+    c.SigmoidParams: lambda p: Sigmoid(temperature(p.temperature),
+                                       Bounded(p.bias.init, p.bias.min, p.bias.max, p.bias.learnable)),
     # structures: (params, base, local_loss=, rank=, world_size=) → Structure
     c.ImageTextParams: lambda p, base, **dist: ImageTextLoss(base, **dist),
     c.GCLParams: lambda p, base, **dist: GCLLoss(base, p.mask_self, **dist),

@@ -44,6 +44,21 @@ class TemperatureConfig(Section):
         return self
 
 
+class BiasConfig(Section):
+    """A bias b owned by the loss (added to its logits): initial value, clamp range and whether it is learned."""
+
+    init: Float = -10.0
+    min: Float = -100.0
+    max: Float = 100.0
+    learnable: Bool = True
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BiasConfig:
+        if not self.min <= self.init <= self.max:
+            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
+        return self
+
+
 # ------------------------------------------------------------------------------ base losses
 
 
@@ -73,6 +88,15 @@ class TripletHNParams(BaseLossParams):
 
     name: Literal["triplet_hn"] = "triplet_hn"
     margin: Float = Field(0.2, ge=0.0, le=2.0, description="margin m")
+
+
+class SigmoidParams(BaseLossParams):
+    """SigLIP's sigmoid pairwise loss (Zhai et al., ICCV 2023, arXiv 2303.15343)."""
+
+    name: Literal["sigmoid"] = "sigmoid"
+    temperature: TemperatureConfig = Field(default_factory=lambda: TemperatureConfig(init=0.1, min=0.01, max=1.0),
+                                           description="τ: scale t = 1/τ (the paper's init t = 10)")
+    bias: BiasConfig = Field(default_factory=BiasConfig, description="b, added to every logit (the paper's init −10)")
 
 
 # ------------------------------------------------------------------------ similarity structures
@@ -230,7 +254,7 @@ def _load_plugin(family: Family, name: str) -> Any:
     return loaded
 
 
-BASE_LOSSES = Family("loss.base", BaseLossParams, [InfoNCEParams, UnifiedParams, TripletHNParams],
+BASE_LOSSES = Family("loss.base", BaseLossParams, [InfoNCEParams, UnifiedParams, TripletHNParams, SigmoidParams],
                      "pairsim.base_losses")
 STRUCTURES = Family("loss.structure", StructureParams, [ImageTextParams, GCLParams], "pairsim.structures")
 TEACHERS = Family("loss.cusa.*_teacher", TeacherParams,

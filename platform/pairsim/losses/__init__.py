@@ -11,12 +11,13 @@ from pairsim.losses.modules import (
     ImageTextLoss,
     InfoNCE,
     Objective,
+    Sigmoid,
     Structure,
     TripletHN,
     Unified,
 )
-from pairsim.losses.temperature import Temperature, temperatures
+from pairsim.losses.temperature import Bounded, Temperature, temperatures
 
-__all__ = ["functional", "BaseLoss", "BatchLoss", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE", "Objective",
-           "Structure", "Temperature", "TripletHN", "Unified", "temperatures"]
+__all__ = ["functional", "BaseLoss", "BatchLoss", "Bounded", "CUSALoss", "GCLLoss", "ImageTextLoss", "InfoNCE",
+           "Objective", "Sigmoid", "Structure", "Temperature", "TripletHN", "Unified", "temperatures"]
 

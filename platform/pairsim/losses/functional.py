@@ -131,6 +131,24 @@ def triplet_hn_rows(sim: torch.Tensor, margin: float, targets: torch.Tensor,
     return _mean_per_row((hardest[rows] - positive + margin).clamp(min=0), rows, targets)
 
 
+def sigmoid_rows(sim: torch.Tensor, scale: torch.Tensor | float, bias: torch.Tensor | float, targets: torch.Tensor,
+                 ignore: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row SigLIP loss, every pair of the row an independent binary decision:
+
+        Σ_{c ∉ ignore} −log σ(z_rc (scale · s_rc + bias)),   z_rc = +1 for c ∈ T(r), −1 otherwise.
+
+    A sum over the row, not a mean: the loss of a matrix is the sum over its pairs divided by its
+    rows (:func:`sigmoid_loss`). Returns [R]."""
+    logits = fp32(sim) * scale + bias
+    signs = torch.full_like(logits, -1.0)
+    if targets.dtype == torch.bool:
+        signs.masked_fill_(targets, 1.0)
+    else:
+        signs.scatter_(1, targets[:, None], 1.0)
+    terms = -F.logsigmoid(signs * logits)
+    return (terms if ignore is None else terms.masked_fill(ignore, 0.0)).sum(1)
+
+
 # -------------------------------------------------------------- square, one positive per row
 
 
@@ -256,6 +274,18 @@ def triplet_hn_loss(sim: torch.Tensor, margin: float, positives: torch.Tensor | 
     """
     return both_directions(lambda s, t, ig: triplet_hn_rows(s, margin, t, ig), sim, positives, anchors_only=True,
                            square_fn=lambda s: triplet_hn_square(s, margin))
+
+
+def sigmoid_loss(sim: torch.Tensor, scale: torch.Tensor | float, bias: torch.Tensor | float,
+                 positives: torch.Tensor | None = None) -> torch.Tensor:
+    """SigLIP's sigmoid loss (Zhai et al., ICCV 2023, arXiv 2303.15343) of an image×text ``sim``
+    [B, B]: −(1/B) Σ_i Σ_j log σ(z_ij (scale · s_ij + bias)), z_ij = +1 for a positive pair
+    (the diagonal, and ``positives``: pairs sharing an image), −1 otherwise. Every pair counts
+    once: there are no two directions to sum."""
+    targets = torch.eye(sim.shape[0], sim.shape[1], dtype=torch.bool, device=sim.device)
+    if positives is not None:
+        targets = targets | positives
+    return sigmoid_rows(sim, scale, bias, targets).mean()
 
 
 # ---------------------------------------------------------------------------------------- GCL

@@ -1,6 +1,7 @@
 """Loss modules over model outputs: learnable temperatures, the global batch, composition.
 
-An objective is a **base** pairwise loss (:class:`InfoNCE`, :class:`Unified`, :class:`TripletHN`)
+An objective is a **base** pairwise loss (:class:`InfoNCE`, :class:`Unified`, :class:`TripletHN`,
+:class:`Sigmoid`)
 applied over a **similarity structure** (:class:`ImageTextLoss`: the B×B image↔text matrix;
 :class:`GCLLoss`: the 3N×3N matrix over image, text and fused embeddings), plus optional
 :class:`CUSALoss` soft-label terms: total = w·base + α·CSA + β·USA (:class:`Objective`; w = 1, or
@@ -23,7 +24,7 @@ from torch import nn
 
 from pairsim.losses import functional
 from pairsim.losses.distributed import GlobalBatch, gather_batch
-from pairsim.losses.temperature import Temperature
+from pairsim.losses.temperature import Bounded, Temperature
 
 
 # -------------------------------------------------------------------------------- base losses
@@ -33,13 +34,15 @@ class BaseLoss(nn.Module):
     """A pairwise loss over the rows of a similarity matrix (``loss.base``).
 
     Subclasses set ``rows(sim, targets, ignore)`` → per-row losses (see :mod:`pairsim.losses.functional`); ``anchors_only``: the loss needs one
-    anchor positive per row (margin losses) rather than a target distribution over positives.
+    anchor positive per row (margin losses) rather than a target distribution over positives;
+    ``directions``: 2, or 1 when the image rows alone give the image↔text loss.
     ``square(sim)``, the common case of one positive per row on the diagonal of a square matrix,
     both directions summed, defaults to ``rows`` over ``sim`` and ``sim.T``; a subclass may
     override it with a fused form that must equal that.
     """
 
     anchors_only = False
+    directions = 2  # image→text and text→image rows summed; 1: the image rows count every pair once (sigmoid)
 
     def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -55,6 +58,10 @@ class BaseLoss(nn.Module):
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         """Its temperatures in use (clamped), by name, for logging; {} when it has none."""
+        return {}
+
+    def biases(self) -> dict[str, torch.Tensor]:
+        """Its learned logit biases in use (clamped), by name, for logging; {} when it has none."""
         return {}
 
 
@@ -133,6 +140,39 @@ class TripletHN(BaseLoss):
 # ----------------------------------------------------------------------- losses over a batch
 
 
+class Sigmoid(BaseLoss):
+    """SigLIP's sigmoid pairwise loss (Zhai et al., ICCV 2023, arXiv 2303.15343).
+
+    Every pair is an independent binary decision: Σ_pairs −log σ(z (t·s + b)), z = +1 for a
+    positive pair and −1 otherwise, divided by the rows (the batch size). Learnable scale t = 1/τ
+    and bias b; defaults the paper's inits, t = 10 (τ 0.1, kept in [0.01, 1]) and b = −10 (kept
+    in [−100, 100]). Limits: no softmax couples a row's pairs, so several positives per row
+    need no shared target mass; the bias sets how negative-heavy the batch may be.
+    """
+
+    directions = 1
+
+    def __init__(self, temperature: Temperature | None = None, bias: Bounded | None = None):
+        super().__init__()
+        self.temperature = temperature or Temperature(0.1, 0.01, 1.0)
+        self.bias = bias or Bounded(-10.0, -100.0, 100.0)
+
+    def rows(self, sim, targets, ignore=None):
+        return functional.sigmoid_rows(sim, 1.0 / self.temperature(), self.bias(), targets, ignore)
+
+    def square(self, sim):
+        return functional.sigmoid_loss(sim, 1.0 / self.temperature(), self.bias())
+
+    def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
+        return functional.sigmoid_loss(sim, 1.0 / self.temperature(), self.bias(), positives)
+
+    def temperatures(self) -> dict[str, torch.Tensor]:
+        return {"base": self.temperature()}
+
+    def biases(self) -> dict[str, torch.Tensor]:
+        return {"base": self.bias()}
+
+
 class BatchLoss(nn.Module):
     """A loss over the global batch of all workers.
 
@@ -182,9 +222,13 @@ class Structure(BatchLoss):
     def temperatures(self) -> dict[str, torch.Tensor]:
         return self.base.temperatures()
 
+    def biases(self) -> dict[str, torch.Tensor]:
+        return self.base.biases()
+
 
 class ImageTextLoss(Structure):
-    """A base loss over the image↔text similarity matrix, both directions summed.
+    """A base loss over the image↔text similarity matrix, both directions summed (the image
+    rows alone for a base loss of one direction, :attr:`BaseLoss.directions`).
 
     Inputs: ``image``, ``text`` [B, d] and optional ``group_ids`` [B] (pairs with equal ids
     are positives of each other). Row i's anchor is column i of the global batch. When every
@@ -199,6 +243,8 @@ class ImageTextLoss(Structure):
         if rows == columns and functional.one_target_per_row(targets, ignore):
             return self.base.square(batch.similarity("image", "text"))
         i2t = self.base.rows(batch.similarity("image", "text"), targets, ignore)
+        if self.base.directions == 1:
+            return i2t.mean()
         t2i = self.base.rows(batch.similarity("text", "image"), targets, ignore)
         return i2t.mean() + t2i.mean()
 
@@ -316,7 +362,8 @@ class Objective(BatchLoss):
         if not torch.isfinite(torch.stack(list(terms.values()))).all():  # one device sync per step
             bad = {k: float(v) for k, v in terms.items() if not torch.isfinite(v)}
             raise FloatingPointError(f"non-finite loss terms {bad}; stopping the step")
-        return {"loss": total} | {k: v.detach() for k, v in terms.items()} | self.temperatures()
+        return {"loss": total} | {k: v.detach() for k, v in terms.items()} | self.temperatures() | {
+            f"bias/{k}": v.detach() for k, v in self.structure.biases().items()}
 
     def temperatures(self) -> dict[str, torch.Tensor]:
         """The clamped temperatures in use, detached, for logging."""

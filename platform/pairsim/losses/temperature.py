@@ -1,4 +1,5 @@
-"""Learnable temperatures kept inside their range by clamping the stored value after each step.
+"""Learnable temperatures (and a loss's other bounded scalars, SigLIP's bias) kept inside their
+range by clamping the stored value after each step.
 
 A temperature that is only clamped where it is used gets a zero gradient once the optimizer has
 pushed its parameter past a bound, and stays stuck there. As the CUSA authors' code does
@@ -26,21 +27,21 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pairsim.losses.functional import fp32
 
-_LIVE: weakref.WeakSet[Temperature] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Bounded] = weakref.WeakSet()
 
 
-class Temperature(nn.Module):
-    """A temperature τ ∈ [min, max], learnable or fixed.
+class Bounded(nn.Module):
+    """A scalar in [min, max], learnable or fixed: a loss's temperature or bias.
 
-    ``forward()`` returns τ in float32 (a 0-dim tensor; bf16 engines included). The parameter
+    ``forward()`` returns it in float32 (a 0-dim tensor; bf16 engines included). The parameter
     ``value`` has shape [1] (DeepSpeed cannot broadcast 0-dim tensors). Stays in range under
     any optimizer (see the module docstring); :meth:`clamp_` clamps it by hand.
     """
 
     def __init__(self, init: float, min: float, max: float, learnable: bool = True):
         super().__init__()
-        if not 0 < min <= init <= max:
-            raise ValueError(f"temperature needs 0 < min <= init <= max, got {min}, {init}, {max}")
+        if not min <= init <= max:
+            raise ValueError(f"{type(self).__name__.lower()} needs min <= init <= max, got {min}, {init}, {max}")
         self.init, self.min, self.max = init, min, max
         self.value = nn.Parameter(torch.tensor([float(init)]), requires_grad=learnable)
         _LIVE.add(self)
@@ -59,9 +60,18 @@ class Temperature(nn.Module):
         return f"min={self.min}, max={self.max}, learnable={self.value.requires_grad}"
 
 
-def temperatures(module: nn.Module, fixed: bool = False) -> list[Temperature]:
-    """The learnable :class:`Temperature` submodules of ``module`` (``fixed``: all of them)."""
-    return [m for m in module.modules() if isinstance(m, Temperature) and (fixed or m.value.requires_grad)]
+class Temperature(Bounded):
+    """A temperature τ ∈ [min, max], 0 < min: a :class:`Bounded` scalar that divides similarities."""
+
+    def __init__(self, init: float, min: float, max: float, learnable: bool = True):
+        if not 0 < min:
+            raise ValueError(f"temperature needs 0 < min <= init <= max, got {min}, {init}, {max}")
+        super().__init__(init, min, max, learnable)
+
+
+def temperatures(module: nn.Module, fixed: bool = False) -> list[Bounded]:
+    """The learnable :class:`Bounded` scalars of ``module`` — temperatures and biases — (``fixed``: all of them)."""
+    return [m for m in module.modules() if isinstance(m, Bounded) and (fixed or m.value.requires_grad)]
 
 
 def _clamp_after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
