@@ -430,6 +430,23 @@ def run_case(name, local_loss, feats, rank=0, world=1):
     return out["loss"].detach(), grads, temps
 
 
+def _saved_for_backward(rank, world, b, d):
+    """The largest tensor (elements) the sigmoid objective keeps for its backward, on this rank's
+    share of the global batch, scoring its own rows (the ring) and every row (a gathered batch)."""
+    largest = {}
+    for local_loss in (True, False):
+        objective = build_objective(load_config(None, ["loss.base=sigmoid", f"loss.local_loss={local_loss}"]).loss,
+                                    rank, world)
+        generator = torch.Generator().manual_seed(rank)
+        feats = {k: torch.randn(b, d, generator=generator).requires_grad_() for k in ("image", "text")}
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            loss = objective(**feats, group_ids=torch.arange(rank * b, (rank + 1) * b) // 2)["loss"]
+        loss.backward()  # the blocks recomputed, the gradients passed back around the ring
+        largest[local_loss] = max(sizes)
+    return largest
+
+
 def _distributed_worker(rank, world, feats):
     results = {}
     for name in MODULES:
@@ -441,13 +458,13 @@ def _distributed_worker(rank, world, feats):
             # the engine averages losses (for logging) and gradients over ranks
             results[name, local_loss] = (torch.stack(gathered[0]).mean().numpy(), (torch.cat(gathered[1]) / world).numpy(),
                                          torch.stack(gathered[2]).mean(0).numpy())
-    return results
+    return results | {"saved for backward": _saved_for_backward(rank, world, 64, 16)}
 
 
 @pytest.fixture(scope="module")
 def distributed_results():
     feats = features(B, 80) | {"group_ids": GROUPS}
-    return feats, on_gloo_ranks(_distributed_worker, feats)[0]
+    return feats, on_gloo_ranks(_distributed_worker, feats)
 
 
 @pytest.mark.parametrize("local_loss", [False, True])
@@ -455,8 +472,19 @@ def distributed_results():
 def test_two_processes_match_one_process(name, local_loss, distributed_results):
     """Float64, 2 gloo ranks with B/2 each vs 1 process with B: loss, feature and temperature grads."""
     feats, results = distributed_results
-    loss, grads, temps = (torch.from_numpy(x) for x in results[name, local_loss])
+    loss, grads, temps = (torch.from_numpy(x) for x in results[0][name, local_loss])
     ref_loss, ref_grads, ref_temps = run_case(name, local_loss, feats)
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-9)
     torch.testing.assert_close(grads, ref_grads, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(temps, ref_temps, rtol=1e-9, atol=1e-12)
+
+
+def test_the_sigmoid_ring_keeps_no_similarity_block_for_the_backward(distributed_results):
+    """2 gloo ranks, 64 rows each, 16-d features: the ring (``local_loss``) keeps nothing larger
+    than one rank's features (64 × 16) for the backward — no 64 × 64 block of similarities, let
+    alone 64 × 128 — while scoring every row of the gathered batch keeps the 128 × 128 matrix."""
+    _, results = distributed_results
+    for rank in (0, 1):
+        largest = results[rank]["saved for backward"]
+        assert largest[True] <= 64 * 16
+        assert largest[False] >= 128 * 128

@@ -120,6 +120,39 @@ def _gathered(x: torch.Tensor) -> torch.Tensor:
     return out.to(x.device)
 
 
+def _exchanged(x: torch.Tensor, to_rank: int, from_rank: int) -> torch.Tensor:
+    work = x.contiguous().to(collective_device())
+    out = torch.empty_like(work)
+    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, work, to_rank),
+                                           dist.P2POp(dist.irecv, out, from_rank)]):
+        request.wait()
+    return out.to(x.device)
+
+
+class _ShiftRight(torch.autograd.Function):
+    """``x`` to the next rank, the previous rank's back; the backward sends the gradient of
+    what was received back to its sender, and receives that of what was sent."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, to_rank: int, from_rank: int) -> torch.Tensor:
+        ctx.to_rank, ctx.from_rank = to_rank, from_rank
+        return _exchanged(x, to_rank, from_rank)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchanged(grad, ctx.from_rank, ctx.to_rank), None, None
+
+
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """Rank r's ``x`` sent to rank r + 1 (mod the world), rank r − 1's returned: one step of a
+    ring, point to point (all ranks' ``x`` of one shape); differentiable when ``x`` requires grad."""
+    if not is_distributed():
+        return x
+    rank, world = dist.get_rank(), dist.get_world_size()
+    to_rank, from_rank = (rank + 1) % world, (rank - 1) % world
+    return _ShiftRight.apply(x, to_rank, from_rank) if x.requires_grad else _exchanged(x, to_rank, from_rank)
+
+
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0 in rank order; differentiable when ``x``
     requires grad (the backward sends each rank the gradient of its own slice)."""

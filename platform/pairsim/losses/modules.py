@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pairsim.losses import functional
 from pairsim.losses.distributed import GlobalBatch, gather_batch
@@ -234,11 +235,17 @@ class ImageTextLoss(Structure):
     are positives of each other). Row i's anchor is column i of the global batch. When every
     row is scored and no two pairs share an image, both directions come from the one image→text
     matrix (:meth:`BaseLoss.square`): one matrix product, as open_clip's ``ClipLoss`` over a gathered batch.
+    A one-direction base loss with ``local_loss`` on several workers scores its rows against
+    one worker's texts at a time, passed around the ring (:meth:`GlobalBatch.ring`), each
+    B_local² block recomputed in the backward rather than kept: peak memory O(B_local²), not
+    O(B_local × B).
     """
 
     def loss(self, batch: GlobalBatch) -> torch.Tensor:
-        rows, columns = batch.rows("image").shape[0], batch.columns["text"].shape[0]
-        anchors = torch.arange(batch.first_row, batch.first_row + rows, device=batch.columns["text"].device)
+        if self.base.directions == 1 and batch.local_loss and batch.world_size > 1:
+            return self.ring_loss(batch)
+        rows, columns = batch.rows("image").shape[0], batch.size
+        anchors = torch.arange(batch.first_row, batch.first_row + rows, device=batch.local["image"].device)
         targets, ignore = functional.split_positives(anchors, _group_positives(batch), self.base.anchors_only)
         if rows == columns and functional.one_target_per_row(targets, ignore):
             return self.base.square(batch.similarity("image", "text"))
@@ -247,6 +254,25 @@ class ImageTextLoss(Structure):
             return i2t.mean()
         t2i = self.base.rows(batch.similarity("text", "image"), targets, ignore)
         return i2t.mean() + t2i.mean()
+
+    def ring_loss(self, batch: GlobalBatch) -> torch.Tensor:
+        """The image rows' loss summed over the ring's blocks of texts, divided by the rows."""
+        image, groups = batch.local["image"], batch.local.get("group_ids")
+        total = image.new_zeros(())
+        for first, block in batch.ring("text", "group_ids"):
+            total = total + checkpoint(self._block_loss, image, block["text"], batch.first_row - first, groups,
+                                       block.get("group_ids"), use_reentrant=False)
+        return total / batch.local_size
+
+    def _block_loss(self, image: torch.Tensor, text: torch.Tensor, offset: int, groups: torch.Tensor | None,
+                    block_groups: torch.Tensor | None) -> torch.Tensor:
+        """Σ of the base's row losses of ``image`` against one block of texts; row i's own text is
+        the block's column i + ``offset`` (if it holds it), further positives share a group id."""
+        targets = (torch.arange(image.shape[0], device=image.device)[:, None] + offset
+                   == torch.arange(text.shape[0], device=image.device)[None, :])
+        if groups is not None:
+            targets = targets | (groups[:, None] == block_groups[None, :])
+        return self.base.rows(image @ text.T, targets).sum()
 
 
 class GCLLoss(Structure):
@@ -352,7 +378,7 @@ class Objective(BatchLoss):
     def loss(self, batch: GlobalBatch) -> dict[str, torch.Tensor]:
         base = self.structure.loss(batch)
         if self.reduction == "paper":
-            base = base / (2 * batch.columns["image"].shape[0])
+            base = base / (2 * batch.size)
         terms = {"loss/base": base}
         total = base
         if self.cusa is not None:
