@@ -1,6 +1,7 @@
 """A learnable temperature driven past its bound comes back as soon as its gradient says so: in
 plain torch (any optimizer, through the global post-step hook) and inside DeepSpeed engines at
-ZeRO 0 and 3 (fp32 and bf16), on 2 gloo ranks. Clamping only where τ is used fails these: the
+ZeRO 0, 2 and 3 (fp32, bf16, fp16), on 2 gloo ranks; so does any :class:`Bounded` scalar (the
+sigmoid loss's bias). Clamping only where τ is used fails these: the
 gradient past the bound is zero and the stored value never returns."""
 
 import pytest
@@ -84,10 +85,11 @@ class TemperatureModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.temperature = Temperature(0.05, LOW, HIGH)
+        self.bias = Bounded(-0.05, -HIGH, -LOW)  # τ's mirror image: driven below its min as τ above its max
         self.linear = torch.nn.Linear(4, 4)  # something for ZeRO to partition beside τ
 
     def forward(self, x, push):
-        return push * self.temperature() + 0.0 * self.linear(x).sum()
+        return push * (self.temperature() - self.bias()) + 0.0 * self.linear(x).sum()
 
 
 def _deepspeed_worker(rank, world):
@@ -104,21 +106,27 @@ def _deepspeed_worker(rank, world):
                   "optimizer": {"type": "AdamW", "params": {"lr": 1.0, "weight_decay": 0.0, "torch_adam": True}},
                   "steps_per_print": 10**9}
         engine, *_ = deepspeed.initialize(model=TemperatureModel(), config=config)
-        param = engine.module.temperature.value
         x = torch.ones(1, 4, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+        biases = []
 
-        def step(loss, engine=engine):
+        def step(loss, engine=engine, biases=biases):
             engine.backward(loss)
             engine.step()
             clamp_temperatures(engine)
+            biases.append(stored(engine.module.bias)[0])
 
-        def stored(param=param, engine=engine):
-            master = safe_get_full_fp32_param(param)  # None at ZeRO-0: the module's copy is read instead
-            return (float(master) if master is not None else param.item(), engine.module.temperature().item())
+        def stored(scalar):
+            master = safe_get_full_fp32_param(scalar.value)  # None at ZeRO-0: the module's copy is read instead
+            return float(master) if master is not None else scalar.value.item(), scalar().item()
 
-        results[stage, precision] = drive(step, lambda push, engine=engine, x=x: engine(x, push), stored)
+        temperature = engine.module.temperature
+        results[stage, precision] = drive(step, lambda push, engine=engine, x=x: engine(x, push),
+                                          lambda temperature=temperature: stored(temperature))
+        results[stage, precision, "bias"] = biases
         clamp_temperatures(engine, to_init=True)  # a PBT clone with a mutated τ init: collective at ZeRO-3
-        results[stage, precision, "reset"] = (*stored(), engine(x, 1.0).item())
+        forward = engine(x, 1.0).item() + engine.module.bias().item()  # the next forward's τ: (τ − b) + b
+        results[stage, precision, "reset"] = (*stored(temperature), forward)
+        results[stage, precision, "bias reset"] = stored(engine.module.bias)
     return results
 
 
@@ -136,6 +144,8 @@ def test_temperature_returns_from_its_bound_in_a_deepspeed_engine(stage, precisi
         assert used_at_bound == pytest.approx(HIGH, rel=1e-6)
         assert LOW <= master_after < HIGH * 0.9, f"rank {rank}: τ did not come back ({master_after})"
         assert used_after == pytest.approx(master_after, rel=1e-2)  # bf16 module copy: 3 digits
+        # the bias, τ's mirror image in [−0.1, −0.01], clamped below its min and back as τ is
+        assert results[stage, precision, "bias"] == pytest.approx([-master_at_bound, -master_after], rel=digits)
 
 
 @pytest.mark.parametrize("stage,precision", ENGINES)
@@ -148,3 +158,4 @@ def test_temperature_is_set_back_to_its_init_in_a_deepspeed_engine(stage, precis
         master, used, forward = results[stage, precision, "reset"]
         assert master == pytest.approx(0.05, rel=digits), f"rank {rank}: stored τ {master}"
         assert used == pytest.approx(0.05, rel=1e-2) and forward == pytest.approx(0.05, rel=1e-2), (rank, used, forward)
+        assert results[stage, precision, "bias reset"] == pytest.approx((-0.05, -0.05), rel=max(digits, 1e-2))

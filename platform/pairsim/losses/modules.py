@@ -148,7 +148,8 @@ class Sigmoid(BaseLoss):
     positive pair and −1 otherwise, divided by the rows (the batch size). Learnable scale t = 1/τ
     and bias b; defaults the paper's inits, t = 10 (τ 0.1, kept in [0.01, 1]) and b = −10 (kept
     in [−100, 100]). Limits: no softmax couples a row's pairs, so several positives per row
-    need no shared target mass; the bias sets how negative-heavy the batch may be.
+    need no shared target mass; the bias sets how negative-heavy the batch may be. Distributed
+    under :class:`ImageTextLoss` with ``local_loss``: the ring (O(B_local²) memory a worker).
     """
 
     directions = 1
