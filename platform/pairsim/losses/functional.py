@@ -135,18 +135,19 @@ def sigmoid_rows(sim: torch.Tensor, scale: torch.Tensor | float, bias: torch.Ten
                  ignore: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row SigLIP loss, every pair of the row an independent binary decision:
 
-        Σ_{c ∉ ignore} −log σ(z_rc (scale · s_rc + bias)),   z_rc = +1 for c ∈ T(r), −1 otherwise.
+        Σ_{c ∉ ignore} −log σ(z_rc l_rc),   l = scale · s + bias,   z_rc = +1 for c ∈ T(r), −1 otherwise,
 
+    computed as Σ_c softplus(l_rc) − Σ_{c ∈ T(r)} l_rc (−log σ(−l) = softplus(l), −log σ(l) =
+    softplus(l) − l): no matrix of signs. ``targets``: a column index per row, or a boolean mask.
     A sum over the row, not a mean: the loss of a matrix is the sum over its pairs divided by its
     rows (:func:`sigmoid_loss`). Returns [R]."""
     logits = fp32(sim) * scale + bias
-    signs = torch.full_like(logits, -1.0)
+    negative = F.softplus(logits, threshold=40.0)  # linear past 40, where e^−l is below float64's precision
+    if ignore is not None:
+        negative = negative.masked_fill(ignore, 0.0)
     if targets.dtype == torch.bool:
-        signs.masked_fill_(targets, 1.0)
-    else:
-        signs.scatter_(1, targets[:, None], 1.0)
-    terms = -F.logsigmoid(signs * logits)
-    return (terms if ignore is None else terms.masked_fill(ignore, 0.0)).sum(1)
+        return negative.sum(1) - logits.masked_fill(~targets, 0.0).sum(1)
+    return negative.sum(1) - logits.gather(1, targets[:, None])[:, 0]
 
 
 # -------------------------------------------------------------- square, one positive per row
@@ -282,9 +283,9 @@ def sigmoid_loss(sim: torch.Tensor, scale: torch.Tensor | float, bias: torch.Ten
     [B, B]: −(1/B) Σ_i Σ_j log σ(z_ij (scale · s_ij + bias)), z_ij = +1 for a positive pair
     (the diagonal, and ``positives``: pairs sharing an image), −1 otherwise. Every pair counts
     once: there are no two directions to sum."""
-    targets = torch.eye(sim.shape[0], sim.shape[1], dtype=torch.bool, device=sim.device)
+    targets = torch.arange(sim.shape[0], device=sim.device)
     if positives is not None:
-        targets = targets | positives
+        targets = positives | torch.eye(sim.shape[0], sim.shape[1], dtype=torch.bool, device=sim.device)
     return sigmoid_rows(sim, scale, bias, targets).mean()
 
 
