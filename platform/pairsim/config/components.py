@@ -29,34 +29,36 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from pairsim.config.fields import Bool, Float, Int, Section
 
 
-class TemperatureConfig(Section):
+class BoundedConfig(Section):
+    """A learnable scalar of the loss kept in [min, max] (:class:`pairsim.losses.Bounded`): its
+    initial value, its clamp range and whether it is learned."""
+
+    init: Float
+    min: Float
+    max: Float
+    learnable: Bool = True
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BoundedConfig:
+        if not self.min <= self.init <= self.max:
+            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
+        return self
+
+
+class TemperatureConfig(BoundedConfig):
     """A temperature τ owned by the loss: initial value, clamp range and whether it is learned."""
 
     init: Float = Field(0.05, gt=0.0)
     min: Float = Field(0.01, gt=0.0)
     max: Float = Field(0.1, gt=0.0)
-    learnable: Bool = True
-
-    @model_validator(mode="after")
-    def _ordered(self) -> TemperatureConfig:
-        if not self.min <= self.init <= self.max:
-            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
-        return self
 
 
-class BiasConfig(Section):
+class BiasConfig(BoundedConfig):
     """A bias b owned by the loss (added to its logits): initial value, clamp range and whether it is learned."""
 
     init: Float = -10.0
     min: Float = -100.0
     max: Float = 100.0
-    learnable: Bool = True
-
-    @model_validator(mode="after")
-    def _ordered(self) -> BiasConfig:
-        if not self.min <= self.init <= self.max:
-            raise ValueError(f"need min <= init <= max, got {self.min} <= {self.init} <= {self.max}")
-        return self
 
 
 # ------------------------------------------------------------------------------ base losses
