@@ -36,11 +36,11 @@ def run_config(dataset, work, objective, *extra):
 STEPS = 256 * 5 // 32
 DROP = 0.98
 # In the CI suite: the presets with the most moving parts (CUSA's teachers and temperatures, GCL's
-# fused embeddings through the Unified loss). The other five run with -m extended: their losses
+# fused embeddings through the Unified loss). The other six run with -m extended: their losses
 # are limits of or parts of these (InfoNCE is cusa_paper's base, Triplet-HN and the Unified loss
 # are gcl_unified's base at other m and γ, gcl_infonce is gcl_unified's structure, cusa_unified is
-# cusa_paper's CUSA terms over gcl_unified's base), and the demo config's Unified loss trains end
-# to end in test_train.
+# cusa_paper's CUSA terms over gcl_unified's base; sigmoid is checked against open_clip's SigLipLoss
+# and on 2 ranks in test_losses), and the demo config's Unified loss trains end to end in test_train.
 IN_CI = {"cusa_paper", "gcl_unified"}
 
 
