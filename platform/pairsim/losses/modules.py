@@ -163,7 +163,7 @@ class Sigmoid(BaseLoss):
         return functional.sigmoid_rows(sim, 1.0 / self.temperature(), self.bias(), targets, ignore)
 
     def square(self, sim):
-        return functional.sigmoid_loss(sim, 1.0 / self.temperature(), self.bias())
+        return self(sim)  # one positive per row, on the diagonal
 
     def forward(self, sim: torch.Tensor, positives: torch.Tensor | None = None) -> torch.Tensor:
         return functional.sigmoid_loss(sim, 1.0 / self.temperature(), self.bias(), positives)
