@@ -252,19 +252,21 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
 
     data = Location.of(f"{bucket}/data")
     pafs.copy_files(str(tiny_dataset), data.path, destination_filesystem=data.fs)
-    def config(epochs: int):
+    def config(epochs: int, test_split: str | None = "test"):
         return load_config(DEMO_CONFIG, [
             f"data.path={data}", f"ray.storage_path={bucket}/ray", "ray.run_name=on-s3", f"train.epochs={epochs}",
             "train.num_workers=1", "train.micro_batch_size=32", "train.log_every_n_steps=4", "optim.warmup_steps=4",
-            "eval.batch_size=64", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+            "eval.batch_size=64", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+            f"data.test_split={test_split or 'null'}"])
 
-    def run(epochs: int, resume: bool = False) -> driver.TrainResult:
-        return driver.fit(config(epochs), resume=resume)
+    def run(epochs: int, resume: bool = False, test_split: str | None = "test") -> driver.TrainResult:
+        return driver.fit(config(epochs, test_split), resume=resume)
 
     steps_per_epoch = driver.plan_run(config(1)).steps_per_epoch
 
-    first = run(1)
+    first = run(1, test_split=None)  # the test split is embedded (from the bucket) once, at the resumed run's end
     resumed = run(2, resume=True)
+    assert resumed.test_metrics["rsum"] > 0
     assert first.metrics["step"] == steps_per_epoch and resumed.metrics["step"] == 2 * steps_per_epoch
     assert resumed.mlflow_run_id == first.mlflow_run_id
     assert resumed.checkpoint_path.startswith(f"{bucket}/ray/on-s3/checkpoint_")
