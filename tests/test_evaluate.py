@@ -14,6 +14,7 @@ from PIL import Image
 from conftest import new_experiment, step_images
 import pairsim.eval.metrics as metrics_module
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
+from pairsim.eval.inference import in_daemon_thread
 from pairsim.eval.report import grid_heatmap, log_pictures, retrieval_gallery
 from pairsim.eval.suite import SplitEmbeddings, evaluate_split, grid_items, modality_grid, unimodal_metrics
 from pairsim.models.fusion import NormalizedSumFusion
@@ -405,3 +406,15 @@ def test_split_from_device_tensors_equals_the_split_from_arrays():
         from_arrays, NormalizedSumFusion()).metrics
     moved = from_tensors.to("meta")
     assert moved.image.device.type == moved.image_norm.device.type == "meta" and moved.image_ids is from_tensors.image_ids
+
+
+def test_in_daemon_thread_hands_back_the_result_or_the_error_from_a_daemon_thread():
+    """The caption pass of ``embed_with_ray_data`` runs this way: its error is raised where its
+    result is awaited, and a Ctrl-C'd driver does not wait for it at exit."""
+    import threading
+
+    thread = in_daemon_thread(threading.current_thread).result(timeout=30)
+    assert thread.daemon and thread is not threading.current_thread()
+    assert in_daemon_thread(sum, [1, 2]).result(timeout=30) == 3
+    with pytest.raises(ZeroDivisionError):
+        in_daemon_thread(divmod, 1, 0).result(timeout=30)
