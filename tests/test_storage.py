@@ -259,13 +259,10 @@ def test_a_run_on_object_storage_checkpoints_there_and_resumes_from_it(ray_insta
             "eval.batch_size=64", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
             f"data.test_split={test_split or 'null'}"])
 
-    def run(epochs: int, resume: bool = False, test_split: str | None = "test") -> driver.TrainResult:
-        return driver.fit(config(epochs, test_split), resume=resume)
-
     steps_per_epoch = driver.plan_run(config(1)).steps_per_epoch
 
-    first = run(1, test_split=None)  # the test split is embedded (from the bucket) once, at the resumed run's end
-    resumed = run(2, resume=True)
+    first = driver.fit(config(1, test_split=None))  # the bucket's test split is embedded once, at the resumed run's end
+    resumed = driver.fit(config(2), resume=True)
     assert resumed.test_metrics["rsum"] > 0
     assert first.metrics["step"] == steps_per_epoch and resumed.metrics["step"] == 2 * steps_per_epoch
     assert resumed.mlflow_run_id == first.mlflow_run_id

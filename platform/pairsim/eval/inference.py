@@ -73,8 +73,8 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     once by the driver), else read here. Without ``roles``, anywhere.
 
     The images and the captions are two Ray Data executions, run at once: each starts actors of
-    its own, fresh processes that import open_clip before their first batch (6.6 s of CPU each
-    on the 2-core Xeon), so the second start overlaps the first rather than following it."""
+    its own, fresh processes that import open_clip before their first batch, so the second start
+    overlaps the first rather than following it."""
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
     embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
