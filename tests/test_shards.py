@@ -259,9 +259,12 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_a_killed_build_resumes_to_the_same_output(tmp_path):
-    """One image per shard, 120 shards: kill the build once some shards are done, re-run, and
-    compare with an uninterrupted build byte for byte."""
+def test_a_killed_build_resumes_to_the_same_output(ray_instance, tmp_path, capsys):
+    """One image per shard, 120 shards: kill a build (its own process and Ray instance) once some
+    shards are done, run the same command again, and compare with an uninterrupted build byte for
+    byte (both on the session's instance)."""
+    from pairsim import cli
+
     src = tmp_path / "src"
     src.mkdir()
     lines = []
@@ -271,15 +274,14 @@ def test_a_killed_build_resumes_to_the_same_output(tmp_path):
     (src / "captions.jsonl").write_text("\n".join(lines) + "\n")
 
     def command(out):
-        return [sys.executable, "-m", "pairsim.cli", "shards", "build", "--format", "folder",
-                "--input", str(src / "captions.jsonl"), "--out", str(out), "--rows-per-shard", "1"]
+        return ["shards", "build", "--format", "folder", "--input", str(src / "captions.jsonl"), "--out", str(out),
+                "--rows-per-shard", "1"]
 
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    subprocess.run(command(tmp_path / "whole"), check=True, env=env, capture_output=True)
-
+    assert cli.main(command(tmp_path / "whole")) == 0
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(command(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([sys.executable, "-m", "pairsim.cli", *command(killed)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while len(list(killed.glob(f"{builder.MARKERS}/train/*.json"))) < 10:
         assert proc.poll() is None and time.time() < deadline, "the build ended before it could be killed"
@@ -289,8 +291,9 @@ def test_a_killed_build_resumes_to_the_same_output(tmp_path):
     done_at_kill = len(list(killed.glob(f"{builder.MARKERS}/train/*.json")))
     assert done_at_kill < 120 and not (killed / shards.MANIFEST).exists()
 
-    resumed = subprocess.run(command(killed), check=True, env=env, capture_output=True, text=True)
-    assert "120 shards" in resumed.stdout
+    capsys.readouterr()
+    assert cli.main(command(killed)) == 0
+    assert "120 shards" in capsys.readouterr().out
     assert _tree(killed) == _tree(tmp_path / "whole")
     assert not list(killed.rglob("*.tmp"))
 

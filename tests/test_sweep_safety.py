@@ -222,14 +222,15 @@ def test_a_union_of_many_invalid_points_lists_at_most_max_errors_shown(tmp_path)
 
 @pytest.mark.slow
 def test_a_finished_sweep_resumes_and_refuses_once_its_tuner_pkl_is_replaced(ray_instance, tiny_dataset, tmp_path):
-    """One trial of one epoch: its driver records Tune's state as it ends; ``--resume`` of it
-    restores Tune (nothing left to run); with ``tuner.pkl`` replaced by a pickle that runs code,
-    ``--resume`` is refused naming it, and the code does not run."""
+    """One trial of one epoch (warm: trained in its trial actor); its driver records Tune's state
+    as it ends; ``--resume`` of it restores Tune (nothing left to run); with ``tuner.pkl``
+    replaced by a pickle that runs code, ``--resume`` is refused naming it, and the code does not run."""
     from test_tune import write_sweep
 
     path = write_sweep(tmp_path / "real.yaml", tiny_dataset, tmp_path / "ray", f"sqlite:///{tmp_path}/mlflow.db",
                        {"loss.base.margin": {"grid": [0.1]}},
-                       {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 1})
+                       {"search": "grid", "num_samples": 1, "scheduler": "fifo", "max_concurrent_trials": 1,
+                        "warm": True})
     sweep = load_sweep(path, ["train.epochs=1"])
     assert [row.status for row in run_sweep(sweep, "real").rows] == ["finished"]
     exp_dir = tmp_path / "ray" / "real"

@@ -229,7 +229,7 @@ def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, l
     store = request.getfixturevalue("team_mlflow")(tmp_path) if layout == "postgres+s3" else {}
     server = start_mlflow_server(tmp_path, port, **store)
     client, run_id = new_run(uri)
-    run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=20)
+    run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=5)
     for step in range(1, 11):
         run.log_metrics({"train/loss": 1 / step}, step)
     assert run.flush(timeout=60)
