@@ -60,7 +60,7 @@ class Cluster:
     logs: Path
     temp_dirs: list[str]
     nodes: dict[str, subprocess.Popen]  # by name: head, train-1 … train-3, data-1
-    node_ids: dict[str, str]  # Ray's node id by name
+    node_ids: dict[str, str]  # Ray's node id by name, of every node that joined (killed ones too)
 
     def role(self, role: str) -> set[str]:
         return {node_id for name, node_id in self.node_ids.items() if name.startswith(f"{role}-")}
@@ -74,8 +74,8 @@ class Cluster:
                                           f"--address=127.0.0.1:{self.gcs}", f"--num-cpus={cpus}",
                                           f"--labels=pairsim-role={name.split('-')[0]},node={name}")
             while name not in self.node_ids and self.nodes[name].poll() is None and time.time() < deadline:
-                self.node_ids = {n["labels"]["node"]: n["node_id"] for n in state(self.address, "nodes")
-                                 if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
+                self.node_ids |= {n["labels"]["node"]: n["node_id"] for n in state(self.address, "nodes")
+                                  if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
                 time.sleep(1)
             if name in self.node_ids:
                 return
