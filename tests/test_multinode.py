@@ -143,7 +143,7 @@ def the_run(tmp_path: Path):
 
 
 def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_training_node_lost(cluster, tmp_path,
-                                                                                              s3_env):
+                                                                                              s3_env, monkeypatch):
     """One submitted run (each costs minutes), checkpoints in S3, two nodes lost:
 
     - the data node killed in epoch 1 and a new one joining (as an autoscaler replaces a spot
@@ -157,6 +157,10 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
     reads on the data nodes; one MLflow run, no metric step twice."""
     import pyarrow.fs as pafs
 
+    from pairsim.train import checkpoints
+
+    for name, value in s3_env.items():  # the bucket, as pairsim's storage reads it here
+        monkeypatch.setenv(name, value)
     s3 = pafs.S3FileSystem(endpoint_override=s3_env["AWS_ENDPOINT_URL"], allow_bucket_creation=True,
                            access_key=s3_env["AWS_ACCESS_KEY_ID"], secret_key=s3_env["AWS_SECRET_ACCESS_KEY"],
                            region=s3_env["AWS_DEFAULT_REGION"])
@@ -192,9 +196,8 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
     steps = 1200 // (16 * 2)
     assert history == {"pairs": [steps * 32] * 2, "pairs_repeated": [0, 0], "images_unseen": [1200 - steps * 32] * 2}
     assert len(client.get_metric_history(run.info.run_id, "val/rsum")) == 2 and "test/rsum" in run.data.metrics
-    checkpoints = [info.base_name for info in s3.get_file_info(pafs.FileSelector("pairsim-multinode/ray/survivor"))
-                   if info.base_name.startswith("checkpoint_") and info.type == pafs.FileType.Directory]
-    assert len(checkpoints) == 2
+    kept = checkpoints.inventory("s3://pairsim-multinode/ray/survivor")  # newest first, each verified
+    assert [(card.epoch, problems) for _, card, problems in kept] == [(2, []), (1, [])]
 
     restarted = [a for a in state(cluster.address, "actors")
                  if a["class_name"] == "RayTrainWorker" and a["actor_id"] not in before]
