@@ -62,7 +62,7 @@ from pairsim.tune.sweep import run_sweep
 
 PROTOCOL = DEMO_CONFIG.parent / "reproduce"
 OBJECTIVES = {"base": "base (as is)", "infonce": "InfoNCE", "triplet_hn": "Triplet-HN", "unified": "Unified",
-              "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified", "cusa_paper": "CUSA",
+              "sigmoid": "Sigmoid (SigLIP)", "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified", "cusa_paper": "CUSA",
               "cusa_unified": "CUSA-Unified"}
 FUSED_CELLS = [grid_metric_name(q, k, 1) for q in MODALITIES for k in MODALITIES if "fused" in (q, k)]
 COLUMNS = {"i2t R@1": "i2t_R@1", "t2i R@1": "t2i_R@1", "RSUM": "rsum", "i2i R@1": "i2i_R@1", "t2t R@1": "t2t_R@1",
@@ -83,6 +83,8 @@ class Claim:
 CLAIMS = [
     Claim("Unified loss (Li et al.)", "Unified ≥ InfoNCE", "unified", "infonce", ("RSUM", "hard RSUM")),
     Claim("Unified loss (Li et al.)", "Unified > Triplet-HN (m = 0.2, γ = 50)", "unified", "triplet_hn",
+          ("RSUM", "hard RSUM")),
+    Claim("SigLIP (Zhai et al.)", "Sigmoid > InfoNCE (softmax) at small batch sizes", "sigmoid", "infonce",
           ("RSUM", "hard RSUM")),
     Claim("CUSA (Huang et al.)", "CUSA ≫ its InfoNCE base on uni-modal retrieval", "cusa_paper", "infonce",
           ("i2i R@1", "t2t R@1")),
