@@ -32,7 +32,6 @@ B × B matrix on every rank).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -167,7 +166,6 @@ def distributed_rank(rank: int, world: int, port: int, sizes: list[int], repeats
     from pairsim.build import build_objective
     from pairsim.config import load_config
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # one CPU a rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cpu = torch.device("cpu")
