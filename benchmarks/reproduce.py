@@ -62,8 +62,8 @@ from pairsim.tune.sweep import run_sweep
 
 PROTOCOL = DEMO_CONFIG.parent / "reproduce"
 OBJECTIVES = {"base": "base (as is)", "infonce": "InfoNCE", "triplet_hn": "Triplet-HN", "unified": "Unified",
-              "sigmoid": "Sigmoid (SigLIP)", "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified", "cusa_paper": "CUSA",
-              "cusa_unified": "CUSA-Unified"}
+              "sigmoid": "Sigmoid (SigLIP)", "gcl_infonce": "GCL-InfoNCE", "gcl_unified": "GCL-Unified",
+              "cusa_paper": "CUSA", "cusa_unified": "CUSA-Unified"}
 FUSED_CELLS = [grid_metric_name(q, k, 1) for q in MODALITIES for k in MODALITIES if "fused" in (q, k)]
 COLUMNS = {"i2t R@1": "i2t_R@1", "t2i R@1": "t2i_R@1", "RSUM": "rsum", "i2i R@1": "i2i_R@1", "t2t R@1": "t2t_R@1",
            "fused R@1": "fused", "hard RSUM": "hard"}

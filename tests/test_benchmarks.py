@@ -85,8 +85,9 @@ def test_the_research_tables_are_their_runs_files_rendered():
     def rows(tables) -> list:
         return json.loads(json.dumps([table.rows for table in tables]))
 
-    for setting, name, seeds, claims in (("pretrained", "reproduce", [1, *[3] * 8], len(reproduce.CLAIMS)),
-                                         ("scratch", "reproduce_scratch", [3] * 7, len(reproduce.CLAIMS) - 1)):
+    # claims judged: every one from the pretrained base; the scratch table has no Sigmoid row for SigLIP's
+    for setting, name, seeds, claims in (("pretrained", "reproduce", [1, *[3] * 8], 8),
+                                         ("scratch", "reproduce_scratch", [3] * 7, 7)):
         published = json.loads((REPO / "benchmarks" / "results" / f"{name}.json").read_text())
         runs_file = REPO / "docs" / "results" / f"reproduce_{setting}_{published['environment']['commit']}.json"
         runs = json.loads(runs_file.read_text())
