@@ -96,6 +96,23 @@ def test_the_setup_hook_leaves_torch_the_threads_ray_gives_a_task(ray_instance):
     assert ray.get(threads.remote()) == (1, ray.get_runtime_context().gcs_address)
 
 
+def test_a_local_instances_workers_get_its_environment_beside_the_callers(ray_instance, s3_env):
+    """The instance's own variables (no preemption watcher on one machine) reach every worker,
+    merged with those the caller's runtime environment sets (here the tests' S3 credentials)."""
+    import ray
+
+    from pairsim import compat
+
+    @ray.remote(num_cpus=0)
+    def environment(names):
+        import os
+
+        return {name: os.environ.get(name) for name in names}
+
+    expected = compat.ray.ONE_MACHINE_ENV | {"AWS_ENDPOINT_URL": s3_env["AWS_ENDPOINT_URL"]}
+    assert ray.get(environment.remote(list(expected))) == expected
+
+
 LISTENERS = textwrap.dedent("""
     import json, os, subprocess, sys
     import psutil, ray

@@ -202,8 +202,8 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
     restarted = [a for a in state(cluster.address, "actors")
                  if a["class_name"] == "RayTrainWorker" and a["actor_id"] not in before]
     assert len(restarted) == 2 and {a["node_id"] for a in restarted} <= cluster.role("train") - {cluster.node_ids[lost]}
-    embedders = [a for a in state(cluster.address, "actors") if "EmbedBatches" in a["class_name"]]
-    assert embedders and {a["node_id"] for a in embedders} <= cluster.role("train")  # the test split's model
+    embedders = [t for t in state(cluster.address, "tasks") if "embed_in_task" in t["name"]]  # the test split's
+    assert embedders and {t["node_id"] for t in embedders} <= cluster.role("train")  # model, on CPU in tasks
     data_work = [t for t in state(cluster.address, "tasks") if t["type"] == "NORMAL_TASK" and "ReadVerifiedParquet" in t["name"]]
     assert data_work and {t["node_id"] for t in data_work} <= cluster.role("data"), {
         (t["name"], t["node_id"]) for t in data_work if t["node_id"] not in cluster.role("data")}

@@ -61,15 +61,18 @@ def address_own_cluster() -> None:
 
 
 # the runtime environment of pairsim's local instances (the tests' own instance uses it too)
-LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}"}
+LOCAL_RUNTIME_ENV = {"worker_process_setup_hook": f"{__name__}.{address_own_cluster.__name__}",
+                     "env_vars": compat.ray.ONE_MACHINE_ENV}
 
 
 def start_local_instance(listen_on_all_interfaces: bool = False, **init_kwargs) -> None:
     """``ray.init(**init_kwargs)`` of a new instance on this machine with
-    :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``). Its dashboard,
-    metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only, unless
-    ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
-    init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | init_kwargs.get("runtime_env", {})
+    :data:`LOCAL_RUNTIME_ENV` (merged under ``init_kwargs['runtime_env']``, its ``env_vars``
+    too). Its dashboard, metrics exporters, GCS, raylet and workers listen on 127.0.0.1 only,
+    unless ``listen_on_all_interfaces`` (Ray's own default: other machines reach them)."""
+    runtime_env = init_kwargs.get("runtime_env", {})
+    init_kwargs["runtime_env"] = LOCAL_RUNTIME_ENV | runtime_env | {
+        "env_vars": LOCAL_RUNTIME_ENV["env_vars"] | runtime_env.get("env_vars", {})}
     with contextlib.nullcontext() if listen_on_all_interfaces else compat.ray.node_on_loopback():
         ray.init(**init_kwargs)
 

@@ -1,6 +1,6 @@
 """Embedding a split: one batch through a model (:func:`embed_batch`, used by the training
-workers' validation too) and Ray Data batch inference over a whole split
-(:func:`embed_with_ray_data`)."""
+workers' validation too), the Ray Data stage that embeds a dataset's batches
+(:func:`embedded_by`), and batch inference over a whole split (:func:`embed_with_ray_data`)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ T = TypeVar("T")
 
 
 class EmbedBatches:
-    """Ray Data actor: a model embedding decoded images (``pixels``) or tokenized captions
-    (``tokens``), returning the ids that go with them, every embedding the model gives and the
-    batch's ``carry`` columns as they came."""
+    """A model embedding decoded images (``pixels``) or tokenized captions (``tokens``),
+    returning the ids that go with them, every embedding the model gives and the batch's
+    ``carry`` columns as they came: a Ray Data actor on GPU, one per worker process in CPU tasks
+    (:func:`embed_in_task`)."""
 
     def __init__(self, model: torch.nn.Module, model_cfg: ModelConfig, use_gpu: bool, carry: tuple[str, ...] = ()):
         self.device = torch.device("cuda" if use_gpu else "cpu")
@@ -41,6 +42,39 @@ class EmbedBatches:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
             return embed_batch(self.model, batch, self.normalize, self.device) | {k: batch[k] for k in self.carry}
+
+
+_EMBEDDER_OF_THIS_PROCESS: dict[tuple[str, tuple[str, ...]], EmbedBatches] = {}
+
+
+def embed_in_task(batch: dict[str, np.ndarray], model_ref: ray.ObjectRef, model_cfg: ModelConfig,
+                  carry: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Ray Data task on CPU: ``batch`` through the model ``model_ref`` names, fetched once per
+    worker process (the last model fetched is the one kept)."""
+    key = (model_ref.hex(), carry)
+    if key not in _EMBEDDER_OF_THIS_PROCESS:
+        _EMBEDDER_OF_THIS_PROCESS.clear()
+        _EMBEDDER_OF_THIS_PROCESS[key] = EmbedBatches(ray.get(model_ref), model_cfg, use_gpu=False, carry=carry)
+    return _EMBEDDER_OF_THIS_PROCESS[key](batch)
+
+
+def embedded_by(ds: ray.data.Dataset, model: torch.nn.Module, cfg: RunConfig, batch_size: int | None,
+                carry: tuple[str, ...] = (), label_selector: dict[str, str] | None = None) -> ray.data.Dataset:
+    """``ds``'s batches of decoded images or tokenized captions embedded by ``model``
+    (:class:`EmbedBatches`). With ``train.use_gpu``, by ``eval.concurrency`` actors of one GPU
+    each. On CPU, by the tasks that decode (Ray Data fuses the two stages: one task per shard,
+    as many at once as the decoding takes, each process holding a copy of the model), on the
+    worker processes Ray keeps for tasks: those have imported torch and open_clip for the run's
+    decoding already, where an actor's new process would import them anew (~12 s of CPU each).
+    Each process fetches the model once, by reference. With a ``label_selector`` (the training
+    nodes) the embedding tasks go there and the decoding stays where the dataset's options put
+    it: Ray Data fuses stages only when their placement is the same."""
+    placement = {"label_selector": label_selector} if label_selector else {}
+    if cfg.train.use_gpu:
+        return ds.map_batches(EmbedBatches, fn_constructor_args=(model, cfg.model, True, carry), batch_size=batch_size,
+                              compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency), num_gpus=1, **placement)
+    return ds.map_batches(embed_in_task, fn_args=(ray.put(model), cfg.model, carry), batch_size=batch_size,
+                          num_cpus=cfg.data.cpus_per_task, **placement)
 
 
 def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormalizer, device,
@@ -67,24 +101,21 @@ def embed_batch(model, batch: dict[str, np.ndarray], normalize: clip.PixelNormal
 def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progress: bool = True,
                         roles: NodeRoles | None = None, data: shards.RunData | None = None) -> SplitEmbeddings:
     """A split's embeddings by Ray Data batch inference: the shards decoded and tokenized by
-    CPU tasks (on the data nodes of ``roles``), embedded by ``eval.concurrency`` actors (one GPU
-    each with ``train.use_gpu``; on the training nodes), collected on the driver (with a
-    progress bar over the split's images and captions). The manifests are ``data``'s (a run's, read
-    once by the driver), else read here. Without ``roles``, anywhere.
+    CPU tasks (on the data nodes of ``roles``), embedded as :func:`embedded_by` says (on the
+    training nodes), collected on the driver (with a progress bar over the split's images and
+    captions). The manifests are ``data``'s (a run's, read once by the driver), else read here.
+    Without ``roles``, anywhere.
 
-    The images and the captions are two Ray Data executions, run at once: each starts actors of
-    its own, fresh processes that import open_clip before their first batch, so the second start
-    overlaps the first rather than following it."""
+    The images and the captions are two Ray Data executions, run at once: on GPU each starts
+    actors of its own, fresh processes that import open_clip before their first batch, so the
+    second start overlaps the first rather than following it."""
     ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
     ledger = ingest.skip_ledger(ledger_name)
-    embed = dict(fn_constructor_args=(model, cfg.model, cfg.train.use_gpu),
-                 batch_size=cfg.eval.batch_size, compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency),
-                 num_gpus=1 if cfg.train.use_gpu else 0) | ({"label_selector": roles.train} if roles and roles.train else {})
     data = data or shards.RunData.read(cfg.data)
     counts = data.split(split)
 
     def embedded(ds: ray.data.Dataset, bar: tqdm) -> list[dict[str, np.ndarray]]:
-        ds = ds.map_batches(EmbedBatches, **embed)
+        ds = embedded_by(ds, model, cfg, cfg.eval.batch_size, label_selector=roles and roles.train)
         ds.context.execution_options.label_selector = roles and roles.data
         batches = []
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):

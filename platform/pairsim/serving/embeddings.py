@@ -13,9 +13,9 @@ One row per image and per caption (:func:`row_schema`): ``id`` (``image/<image_i
 source path; null for captions).
 
 The job (:func:`embed_split`) is Ray Data batch inference: the input shards read and decoded
-(images) or tokenized (captions) by CPU tasks (:mod:`pairsim.data.ingest`'s), embedded by an
-actor pool holding the model (:class:`pairsim.eval.inference.EmbedBatches`), one pipeline (and
-one actor pool) for both modalities. Each row carries the input shard it came from; the driver
+(images) or tokenized (captions) by CPU tasks (:mod:`pairsim.data.ingest`'s), embedded by
+:func:`pairsim.eval.inference.embedded_by` (tasks on CPU, an actor pool on GPU), one pipeline
+for both modalities. Each row carries the input shard it came from; the driver
 writes an output shard as soon as all of its input shard's rows are in (atomically), then the
 manifest, so a killed job re-run with the same arguments redoes only the input shards not
 recorded done. Images that cannot be decoded are skipped and listed in the manifest.
@@ -228,13 +228,10 @@ def pipeline(model, cfg: RunConfig, split: str, manifest: shards.Manifest, pendi
              ledger_name: str):
     """One Ray Data dataset over the pending shards of both modalities: images decoded and
     captions tokenized (``ingest.EvalImages``, ``ingest.EvalTexts``) by CPU tasks, both embedded
-    by one pool of ``eval.concurrency`` actors (:class:`~pairsim.eval.inference.EmbedBatches`, one
-    GPU each with ``train.use_gpu``). With one modality on CPU actors, Ray Data fuses its read and
-    decode into the actors. Each block holds one modality's rows with their ``input_shard``."""
-    import ray
-
+    as :func:`pairsim.eval.inference.embedded_by` says. Each block holds one modality's rows with
+    their ``input_shard``."""
     from pairsim.data import ingest
-    from pairsim.eval.inference import EmbedBatches
+    from pairsim.eval.inference import embedded_by
 
     readers = {"image": (["image", "image_id", "label"], ingest.EvalImages(cfg, ledger_name)),
                "text": (["image_id", "captions"], ingest.EvalTexts(cfg.model.arch))}
@@ -244,9 +241,7 @@ def pipeline(model, cfg: RunConfig, split: str, manifest: shards.Manifest, pendi
                                FromShard(readers[m][1]), cfg.eval.batch_size, cfg)
              for m, files in pending.items() if files]
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-    return ds.map_batches(EmbedBatches, fn_constructor_args=(model, cfg.model, cfg.train.use_gpu, ("input_shard",)),
-                          batch_size=None, compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency),
-                          num_gpus=1 if cfg.train.use_gpu else 0)
+    return embedded_by(ds, model, cfg, batch_size=None, carry=("input_shard",))
 
 
 class ShardRows:
