@@ -25,7 +25,8 @@ def add_embed_parser(sub) -> None:
                             "(continued where it stopped)")
     embed.add_argument("--modality", choices=["image", "text", "both"], default="both")
     embed.add_argument("--batch-size", type=int_at_least(1), default=256)
-    embed.add_argument("--concurrency", type=int_at_least(1), default=1, help="with --use-gpu, Ray Data actors holding the model (on CPU the decoding tasks embed)")
+    embed.add_argument("--concurrency", type=int_at_least(1), default=1,
+                       help="with --use-gpu, Ray Data actors holding the model (on CPU the decoding tasks embed)")
     embed.add_argument("--use-gpu", action="store_true", help="one GPU for each of those actors")
     add_overrides(embed, help="run-config override, e.g. --set data.cpus_per_task=2")
     embed.set_defaults(func=embed_command)

@@ -292,7 +292,7 @@ class EvalConfig(Section):
                             "highest), e.g. rsum, t2i_R@1, i2t_mAP@R, t2t_R-P, i2i_R@5, grid_text2fused_R@1")
     concurrency: Int = Field(1, ge=1, description="Ray Data actors, one GPU each, embedding a split for the "
                                                   "end-of-run and standalone evaluations (on CPU the decoding tasks "
-                                                  "embed, as many as it runs at once)")
+                                                  "embed, as many as run at once)")
     val_cache_gib: Float = Field(
         1.0, ge=0.0, description="the val split's decoded pixels and tokens, as epoch 1 read them, kept on each "
                                  "training worker's device up to this size, so later epochs' validations embed them "

@@ -58,7 +58,7 @@ def embed_in_task(batch: dict[str, np.ndarray], model_ref: ray.ObjectRef, model_
     return _EMBEDDER_OF_THIS_PROCESS[key](batch)
 
 
-def embedded_by(ds: ray.data.Dataset, model: torch.nn.Module, cfg: RunConfig, batch_size: int | None,
+def embedded_by(ds: ray.data.Dataset, model: torch.nn.Module | ray.ObjectRef, cfg: RunConfig, batch_size: int | None,
                 carry: tuple[str, ...] = (), label_selector: dict[str, str] | None = None) -> ray.data.Dataset:
     """``ds``'s batches of decoded images or tokenized captions embedded by ``model``
     (:class:`EmbedBatches`). With ``train.use_gpu``, by ``eval.concurrency`` actors of one GPU
@@ -66,14 +66,16 @@ def embedded_by(ds: ray.data.Dataset, model: torch.nn.Module, cfg: RunConfig, ba
     as many at once as the decoding takes, each process holding a copy of the model), on the
     worker processes Ray keeps for tasks: those have imported torch and open_clip for the run's
     decoding already, where an actor's new process would import them anew (~12 s of CPU each).
-    Each process fetches the model once, by reference. With a ``label_selector`` (the training
-    nodes) the embedding tasks go there and the decoding stays where the dataset's options put
-    it: Ray Data fuses stages only when their placement is the same."""
+    Each process fetches the model once, by reference: on CPU ``model`` may be an ``ObjectRef``,
+    one copy shared by several datasets. With a ``label_selector`` (the training nodes) the
+    embedding tasks go there and the decoding stays where the dataset's options put it: Ray
+    Data fuses stages only when their placement is the same."""
     placement = {"label_selector": label_selector} if label_selector else {}
     if cfg.train.use_gpu:
         return ds.map_batches(EmbedBatches, fn_constructor_args=(model, cfg.model, True, carry), batch_size=batch_size,
                               compute=ray.data.ActorPoolStrategy(size=cfg.eval.concurrency), num_gpus=1, **placement)
-    return ds.map_batches(embed_in_task, fn_args=(ray.put(model), cfg.model, carry), batch_size=batch_size,
+    model_ref = model if isinstance(model, ray.ObjectRef) else ray.put(model)
+    return ds.map_batches(embed_in_task, fn_args=(model_ref, cfg.model, carry), batch_size=batch_size,
                           num_cpus=cfg.data.cpus_per_task, **placement)
 
 
@@ -113,9 +115,10 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     ledger = ingest.skip_ledger(ledger_name)
     data = data or shards.RunData.read(cfg.data)
     counts = data.split(split)
+    shared = model if cfg.train.use_gpu else ray.put(model)  # on CPU one copy, one fetch a process, for both
 
     def embedded(ds: ray.data.Dataset, bar: tqdm) -> list[dict[str, np.ndarray]]:
-        ds = embedded_by(ds, model, cfg, cfg.eval.batch_size, label_selector=roles and roles.train)
+        ds = embedded_by(ds, shared, cfg, cfg.eval.batch_size, label_selector=roles and roles.train)
         ds.context.execution_options.label_selector = roles and roles.data
         batches = []
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
