@@ -69,19 +69,19 @@ def wait_for(condition, what: str, proc: subprocess.Popen, output: Path, started
 
 def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_work(ray_instance, tiny_dataset,
                                                                                      tmp_path, capfd):
-    """`pairsim train` (its own local Ray instance, 3 epochs, ray.max_failures=1): a training
+    """`pairsim train` (its own local Ray instance, 4 epochs, ray.max_failures=1): a training
     worker is SIGKILLed after epoch 1's checkpoint (Ray Train restarts the group from it), the
-    driver is SIGKILLed after epoch 2's (with the Ray instance it started), and epoch 2's
-    checkpoint is then deleted by hand (Ray Train refused such a run directory). The re-run
-    resumes from epoch 1's checkpoint into the same MLflow run and finishes, with every metric
-    step logged once. Then the newest checkpoint's model states are altered on disk: a run
-    extended to a 4th epoch reports it, skips it and resumes from the one before."""
+    driver is SIGKILLed after epoch 3's (with the Ray instance it started); then epoch 3's
+    checkpoint is deleted by hand (Ray Train refused such a run directory) and epoch 2's model
+    states are altered on disk. The re-run reports both, resumes from epoch 1's checkpoint into
+    the same MLflow run and finishes, with every metric step logged once."""
     run_dir = tmp_path / "ray" / "faults"
-    args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=3", "data.test_split=null")
+    args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=4", "data.test_split=null",
+                         "ray.max_failures=1")
     first_log = tmp_path / "first.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}  # SIGKILL ahead
     first = subprocess.Popen([sys.executable, "-m", "pairsim.cli", "train", "--config", str(DEMO_CONFIG),
-                              *(f"--set={a}" for a in args), "--set=ray.max_failures=1"],
+                              *(f"--set={a}" for a in args)],
                              env=env, cwd=tmp_path, stdout=first_log.open("w"), stderr=subprocess.STDOUT)
     instance: set[psutil.Process] = set()  # the local Ray instance the driver starts
     try:
@@ -89,8 +89,8 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
         [worker, *_] = [p for p in psutil.Process(first.pid).children(recursive=True)
                         if "RayTrainWorker" in " ".join(p.cmdline())]
         worker.kill()
-        wait_for(lambda: len(complete_checkpoints(run_dir)) == 2 and complete_checkpoints(run_dir)[-1].name in
-                 registered(run_dir), "epoch 2's checkpoint in Ray Train's record", first, first_log, instance)
+        wait_for(lambda: len(complete_checkpoints(run_dir)) == 3 and complete_checkpoints(run_dir)[-1].name in
+                 registered(run_dir), "epoch 3's checkpoint in Ray Train's record", first, first_log, instance)
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             instance.update(psutil.Process(first.pid).children(recursive=True))
@@ -106,41 +106,34 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     run_id = tracking.find_run(uri, "faults")
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
 
-    epoch1, epoch2 = complete_checkpoints(run_dir)
-    shutil.rmtree(epoch2)
-    capfd.readouterr()
-    result = driver.fit(load_config(DEMO_CONFIG, [*args, "ray.max_failures=1"]))
-    out = "".join(capfd.readouterr())
-    assert f"Ray Train's record of the run names checkpoints that are gone ({epoch2.name})" in out
-    assert "resumed from checkpoint: epoch 2, step 16" in out
-    assert result.mlflow_run_id == run_id and result.metrics["step"] == 3 * STEPS_PER_EPOCH
-    client = MlflowClient(uri)
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED" and run.data.tags["pairsim.attempts"] == "2"
-    assert steps_logged_twice(client, run_id) == {}
-    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == \
-        list(range(2, 3 * STEPS_PER_EPOCH + 1, 2))
-    assert sorted(m.step for m in client.get_metric_history(run_id, "val/rsum")) == \
-        [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH]
-    assert main(["checkpoints", "verify", str(run_dir)]) == 0 and epoch1.is_dir()
-    cards = [checkpoints.checkpoint_card(p) for p in complete_checkpoints(run_dir)]  # oldest first
-    best = max(reversed(cards), key=lambda card: card.val["val/rsum"])  # ties: the newest
-    assert run.data.tags["pairsim.best_epoch"] == str(best.epoch)  # epoch 1 competes, unranked by Ray's new record
-
-    newest = complete_checkpoints(run_dir)[-1]  # epoch 3's: its model states altered on disk
-    states = newest / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
+    epoch1, epoch2, epoch3 = complete_checkpoints(run_dir)
+    shutil.rmtree(epoch3)
+    states = epoch2 / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
     data = bytearray(states.read_bytes())
     data[len(data) // 2] ^= 0xFF
     states.write_bytes(bytes(data))
     assert main(["checkpoints", "verify", str(run_dir)]) == 1
     capfd.readouterr()
-    longer = driver.fit(load_config(DEMO_CONFIG, [*args, "train.epochs=4"]), resume=True)
+    result = driver.fit(load_config(DEMO_CONFIG, args))
     out = "".join(capfd.readouterr())
-    assert f"checkpoint {newest} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
+    assert f"Ray Train's record of the run names checkpoints that are gone ({epoch3.name})" in out
+    assert f"checkpoint {epoch2} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
            "differs from its checksum" in out
-    assert f"resumed from checkpoint: epoch 3, step {2 * STEPS_PER_EPOCH}" in out
-    assert longer.mlflow_run_id == run_id and longer.metrics["step"] == 4 * STEPS_PER_EPOCH
+    assert "resumed from checkpoint: epoch 2, step 16" in out
+    assert result.mlflow_run_id == run_id and result.metrics["step"] == 4 * STEPS_PER_EPOCH
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["pairsim.attempts"] == "2"
     assert steps_logged_twice(client, run_id) == {}
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == \
+        list(range(2, 4 * STEPS_PER_EPOCH + 1, 2))
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val/rsum")) == \
+        [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH, 4 * STEPS_PER_EPOCH]
+    assert epoch1.is_dir() and not checkpoints.verify_checkpoint(epoch1)
+    sound = [p for p in sorted(run_dir.glob("checkpoint_*")) if not checkpoints.verify_checkpoint(p)]  # oldest first
+    cards = [checkpoints.checkpoint_card(p) for p in sound]
+    best = max(reversed(cards), key=lambda card: card.val["val/rsum"])  # ties: the newest
+    assert run.data.tags["pairsim.best_epoch"] == str(best.epoch)  # epoch 1 competes, unranked by Ray's new record
 
 
 # Runs inside a user and mount namespace (``unshare -rm``): there, an unprivileged user may mount
