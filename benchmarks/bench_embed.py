@@ -36,7 +36,7 @@ import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 
 from pairsim.config import RunConfig
-from pairsim.data import ingest, shards, synth
+from pairsim.data import ingest, shards, skips, synth
 from pairsim.eval.inference import EmbedBatches
 from pairsim.models import retrieval
 from pairsim.serving import embeddings
@@ -48,7 +48,7 @@ class ShardImages(torch.utils.data.IterableDataset):
 
     def __init__(self, cfg: RunConfig, files: list[str]):
         self.files, self.size = files, cfg.eval.batch_size
-        self.preprocess = ingest.EvalImages(cfg, "unused-ledger")  # the synthetic images all decode
+        self.preprocess = ingest.EvalImages(cfg, skips.Skips("no-ledger", "none"))  # the synthetic images all decode
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -72,18 +72,16 @@ def dataloader_run(loader, embed: EmbedBatches) -> tuple[float, float]:
 def pipeline_run(model, cfg: RunConfig) -> tuple[float, float]:
     """(images/s, seconds to the first embedded batch) of ``embed_split``'s pipeline over the
     split's images, collected on the driver as the job collects them (without writing them)."""
-    import ray
-
     manifest = shards.read_manifest(cfg.data.path)
     pending = {"image": shards.split_shards(cfg.data.path, "val", manifest)}
-    ledger = ingest.skip_ledger("bench-embed")
+    bench_skips = skips.new_scope("bench-embed")
     start, first, vectors = time.perf_counter(), None, []
-    for block in embeddings.pipeline(model, cfg, "val", manifest, pending, "bench-embed").iter_batches(
+    for block in embeddings.pipeline(model, cfg, "val", manifest, pending, bench_skips).iter_batches(
             batch_size=None, batch_format="numpy"):
         vectors.append(embeddings.normalized(block["image"]))
         first = first or time.perf_counter() - start
     seconds = time.perf_counter() - start
-    ray.kill(ledger)
+    bench_skips.drop()
     return sum(map(len, vectors)) / seconds, first
 
 
@@ -114,7 +112,6 @@ def main() -> None:
     retrieval.claim_export(weights)
     retrieval.write_exported(retrieval.model_card(cfg.model, model, 0, 1, 0, {}), model.state_dict(), weights)
     model, _ = retrieval.load_exported(weights)
-    digest = retrieval.model_digest(weights)
 
     import ray
 

@@ -33,7 +33,7 @@ from PIL import Image
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
 
-from pairsim.data import builder, ingest, shards, synth
+from pairsim.data import builder, ingest, shards, skips, synth
 from pairsim.config import RunConfig
 from pairsim.data.build_config import BuildConfig
 
@@ -65,7 +65,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
     def __init__(self, cfg: RunConfig, files: list[str]):
         self.cfg, self.files = cfg, files
-        self.preprocess = ingest.TrainPreprocess(cfg, "unused-ledger")
+        self.preprocess = ingest.TrainPreprocess(cfg, skips.Skips("no-ledger", "none"))  # the synthetic images all decode
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -110,11 +110,11 @@ def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str,
     """(name, DataLoader rate, Ray Data rate with each shard's SHA-256 checked as it is read —
     ``data.shard_checks: error``, the default — and without: ``off``), medians of ``repeats``
     epochs after a warm-up one each; the two Ray Data variants take turns, epoch by epoch."""
-    ledger = ingest.skip_ledger("bench-ingest")
+    bench_skips = skips.new_scope("bench-ingest")
     datasets = {}
     for checks in ("error", "off"):
         variant = cfg.model_copy(update={"data": cfg.data.model_copy(update={"shard_checks": checks})})
-        datasets[checks] = ingest.train_dataset(variant, "bench-ingest")
+        datasets[checks] = ingest.train_dataset(variant, bench_skips)
         datasets[checks].context.execution_options = ingest.execution_options(variant, ordered=True)
         ray_data_rate(cfg, datasets[checks])  # warm-up: worker processes, imports, page cache
     rates: dict[str, list[float]] = {"error": [], "off": []}
@@ -125,9 +125,7 @@ def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str,
     dataloader_rate(loader)  # the same warm-up
     loader_rates = [dataloader_rate(loader) for _ in range(repeats)]
     del loader  # its persistent workers end
-    import ray
-
-    ray.kill(ledger)
+    bench_skips.drop()
     return name, statistics.median(loader_rates), statistics.median(rates["error"]), statistics.median(rates["off"])
 
 

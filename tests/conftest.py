@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pairsim.data import synth
+from pairsim.data import skips, synth
+
+NO_SKIPS = skips.Skips("no-ledger", "none")  # for data that decodes whole: recording a skip would fail
 
 
 def unused_ports(n: int) -> list[int]:

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import on_gloo_ranks, remanifest
+from conftest import NO_SKIPS, on_gloo_ranks, remanifest
 from pairsim.config import RunConfig
-from pairsim.data import ingest, shards
+from pairsim.data import ingest, shards, skips
 
 
 def _equal_steps_worker(rank, world):
@@ -94,6 +94,22 @@ def _record_epochs(config):
 
 
 @pytest.mark.slow
+def test_a_process_has_one_ledger_whose_scopes_tasks_fill_apart(ray_instance):
+    """Two scopes of one driver share its ledger actor and stay apart, a Ray task records
+    into a scope by its name, and a dropped scope is forgotten."""
+    import ray
+
+    first, second = skips.new_scope("first"), skips.new_scope("second")
+    assert first.ledger == second.ledger and first.scope != second.scope
+    first.add({"a": "truncated"})
+    ray.get(ray.remote(lambda scope: scope.add({"b": "not an image"})).remote(second))
+    assert first.recorded() == {"a": "truncated"} and second.recorded() == {"b": "not an image"}
+    first.drop()
+    assert first.recorded() == {} and second.recorded() == {"b": "not an image"}
+    second.drop()
+
+
+@pytest.mark.slow
 def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_images(
         ray_instance, dataset_with_bad_images, tmp_path):
     import ray
@@ -103,12 +119,12 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
     root, bad = dataset_with_bad_images
     cfg = RunConfig.model_validate({"data": {"path": str(root), "shuffle_buffer": 40},
                                     "train": {"micro_batch_size": 16}})
-    ledger = ingest.skip_ledger("test-ledger")
+    run_skips = skips.new_scope("test")
     trainer = TorchTrainer(
         _record_epochs, train_loop_config={"cfg": cfg.model_dump(mode="json"), "out": str(tmp_path)},
         scaling_config=ScalingConfig(num_workers=2),
         run_config=ray.train.RunConfig(storage_path=str(tmp_path / "ray")),
-        datasets={"train": ingest.train_dataset(cfg, "test-ledger")},
+        datasets={"train": ingest.train_dataset(cfg, run_skips)},
         dataset_config=DataConfig(datasets_to_split=["train"],
                                   execution_options={"train": ingest.execution_options(cfg, ordered=True)}))
     trainer.fit()
@@ -121,15 +137,15 @@ def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_image
         seen = [g for r in ranks for batch in r[epoch] for g in batch]
         assert sorted(seen) == good_groups  # every image exactly once over the ranks
     assert ranks[0][0] != ranks[0][1]  # a new order each epoch
-    skipped = ray.get(ledger.get.remote())
+    skipped = run_skips.recorded()
     assert set(skipped) == bad
     assert all(reason for reason in skipped.values())
-    ray.kill(ledger)
+    run_skips.drop()
 
 
 def _epoch_orders(cfg, epochs=2):
     """(group id, caption index, pixel checksum) of every pair, in stream order, per epoch."""
-    ds = ingest.train_dataset(cfg, "order-ledger")
+    ds = ingest.train_dataset(cfg, NO_SKIPS)
     ds.context.execution_options = ingest.execution_options(cfg, ordered=True)
     orders = []
     for _ in range(epochs):
@@ -143,13 +159,9 @@ def _epoch_orders(cfg, epochs=2):
 
 @pytest.mark.slow
 def test_a_fixed_seed_gives_the_same_order_captions_and_augmentations(ray_instance, tiny_dataset):
-    import ray
-
-    ledger = ingest.skip_ledger("order-ledger")
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "seed": 7}})
     first, again = _epoch_orders(cfg), _epoch_orders(cfg)
     other = _epoch_orders(cfg.model_copy(update={"data": cfg.data.model_copy(update={"seed": 8})}), epochs=1)
-    ray.kill(ledger)
     assert first == again  # both epochs replay exactly
     assert first[0] != first[1] and first[0] != other[0]
     for order in first + other:
@@ -171,7 +183,7 @@ def train_rows(root, n, seed=0):
 def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": 3}})
     batch = train_rows(tiny_dataset, 8)
-    out = ingest.TrainPreprocess(cfg, "unused-ledger")(batch)
+    out = ingest.TrainPreprocess(cfg, NO_SKIPS)(batch)
     assert out["pixels"].shape[0] == out["tokens"].shape[0] == 24
     groups, picks = out["group_ids"].reshape(8, 3), out["caption_index"].reshape(8, 3)
     assert (groups == groups[:, :1]).all() and len(set(groups[:, 0])) == 8
@@ -183,7 +195,7 @@ def test_pairs_per_image_gives_distinct_captions_of_one_group(tiny_dataset):
 def test_all_pairs_gives_every_caption_of_every_image(tiny_dataset):
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset), "pairs_per_image": "all"}})
     batch = train_rows(tiny_dataset, 6)
-    out = ingest.TrainPreprocess(cfg, "unused-ledger")(batch)
+    out = ingest.TrainPreprocess(cfg, NO_SKIPS)(batch)
     assert out["tokens"].shape[0] == sum(len(c) for c in batch["captions"]) == 30
     assert out["caption_index"].tolist() == out["pair_slot"].tolist() == [
         k for caps in batch["captions"] for k in range(len(caps))]
@@ -195,7 +207,7 @@ def test_draws_decide_captions_and_augmentation(tiny_dataset):
     import pickle
 
     cfg = RunConfig.model_validate({"data": {"path": str(tiny_dataset)}})
-    preprocess = ingest.TrainPreprocess(cfg, "unused-ledger")
+    preprocess = ingest.TrainPreprocess(cfg, NO_SKIPS)
     a, b = (pickle.loads(pickle.dumps(preprocess))(train_rows(tiny_dataset, 32)) for _ in range(2))
     c = preprocess(train_rows(tiny_dataset, 32, seed=1))
     for key in ("tokens", "pixels", "caption_index"):

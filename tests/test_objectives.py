@@ -4,10 +4,10 @@ CUSA's teachers from disk (pipelines/extract_teacher.py) give the same loss as l
 
 import numpy as np
 import pytest
-import ray
 import torch
 from mlflow.tracking import MlflowClient
 
+from conftest import NO_SKIPS
 from pairsim.data import ingest
 from pairsim import build
 from pairsim.teachers import store
@@ -76,11 +76,9 @@ def test_teacher_features_from_disk_equal_live_teachers(ray_instance, tiny_datas
         "cusa": cfg.loss.cusa.model_copy(update={"teacher_features": store_dir})})})
     build.check_teachers(disk_cfg)
 
-    ledger = ingest.skip_ledger("teacher-test-ledger")
     live = build.build_teachers(cfg)
-    live_batch = ingest.train_dataset(cfg, "teacher-test-ledger", *build.teacher_sources(cfg)).take_batch(1000, batch_format="numpy")  # the whole split
-    disk_batch = ingest.train_dataset(disk_cfg, "teacher-test-ledger", *build.teacher_sources(disk_cfg)).take_batch(1000, batch_format="numpy")  # the whole split
-    ray.kill(ledger)
+    live_batch = ingest.train_dataset(cfg, NO_SKIPS, *build.teacher_sources(cfg)).take_batch(1000, batch_format="numpy")  # the whole split
+    disk_batch = ingest.train_dataset(disk_cfg, NO_SKIPS, *build.teacher_sources(disk_cfg)).take_batch(1000, batch_format="numpy")  # the whole split
     # the live pipeline ships teacher inputs, the disk pipeline extracted embeddings; caption draws
     # differ between the two, so compare on the disk batch's own (image, caption) picks
     live_emb = worker.teacher_embeddings({k: torch.as_tensor(np.array(v)) for k, v in live_batch.items() if v.dtype != object}, live, "cpu")

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from pairsim import cli
 from pairsim.config import RunConfig
-from pairsim.data import ingest, synth
+from pairsim.data import ingest, skips, synth
 from pairsim.data.shard_reader import ShardChecksumError, checksum_failure
 
 
@@ -63,17 +63,15 @@ def test_an_altered_shard_fails_the_read_naming_it_and_the_verify_command(datase
 
 
 def test_skip_leaves_the_shard_out_listing_its_image_ids(dataset, ray_instance):
-    import ray
-
     shards_ = sorted((dataset / "train").glob("*.parquet"))
     replaced = rewritten(shards_[0])
     shards_[3].write_bytes(shards_[3].read_bytes()[:200])  # truncated: too damaged to list its rows
-    ledger = ingest.skip_ledger("shard-checks-skip")
+    read_skips = skips.new_scope("shard-checks")
     try:
-        read = image_ids(ingest.read_split(config(dataset, "skip"), "train", ["image_id"], ledger_name="shard-checks-skip"))
-        skipped = ray.get(ledger.get.remote())
+        read = image_ids(ingest.read_split(config(dataset, "skip"), "train", ["image_id"], skips=read_skips))
+        skipped = read_skips.recorded()
     finally:
-        ray.kill(ledger)
+        read_skips.drop()
     assert len(read) == 20 and not set(read) & set(replaced)
     assert set(skipped) == set(replaced) | {f"shard {shards_[3]}"}
     assert all(f"in {shards_[0]}, left out: its SHA-256" in skipped[i] for i in replaced)

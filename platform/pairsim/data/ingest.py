@@ -4,8 +4,8 @@ The driver builds lazy datasets (``train_dataset``, ``eval_images``, ``eval_text
 streams them to the workers, where :func:`equal_steps` makes every rank run the same number
 of steps whatever its shard holds (an uneven count would hang the collectives).
 
-Images that cannot be decoded are skipped, not fatal: each is recorded with its reason in a
-:class:`SkipLedger` actor that rank 0 reads for the ``data/skipped_images`` metric.
+Images that cannot be decoded are skipped, not fatal: each is recorded with its reason in the
+run's :class:`~pairsim.data.skips.Skips`, which rank 0 reads for the ``data/skipped_images`` metric.
 
 Imports stay light (no torch, open_clip or torchvision at module level, and the map callables
 hold configs, not built transforms): Ray Train's dataset manager and Ray Data's split
@@ -25,34 +25,11 @@ from typing import Any
 import numpy as np
 import ray
 from PIL import Image
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from pairsim.config import ModelConfig, RunConfig
 from pairsim.data import shards
 from pairsim.data.shard_reader import VerifiedParquetDatasource
+from pairsim.data.skips import Skips
 from pairsim.storage import Location, filesystem_and_paths
-
-
-@ray.remote(num_cpus=0)
-class SkipLedger:
-    """Images that could not be decoded, by image id, with the reason."""
-
-    def __init__(self) -> None:
-        self.skipped: dict[str, str] = {}
-
-    def add(self, items: dict[str, str]) -> None:
-        self.skipped.update(items)
-
-    def get(self) -> dict[str, str]:
-        return dict(self.skipped)
-
-
-def skip_ledger(name: str):
-    """Create (or get) the run's ledger; the driver owns it, Data tasks look it up by name. It
-    lives on the driver's node, which the run cannot outlive anyway: on another node it would
-    take the run down with it (a training node lost mid-run did, before)."""
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return SkipLedger.options(name=name, get_if_exists=True, scheduling_strategy=here).remote()
 
 
 def open_image(raw: bytes) -> Image.Image:
@@ -68,10 +45,10 @@ def group_ids(image_ids: Iterable[Any]) -> np.ndarray:
 
 
 class DecodeImages:
-    """Decode encoded images, dropping and recording (in the run's :class:`SkipLedger`) bad ones."""
+    """Decode encoded images, dropping and recording (in ``skips``) bad ones."""
 
-    def __init__(self, ledger_name: str):
-        self.ledger_name = ledger_name
+    def __init__(self, skips: Skips):
+        self.skips = skips
 
     def __call__(self, batch: dict[str, np.ndarray]) -> tuple[list[Image.Image], np.ndarray]:
         """(the good images, their row indices)."""
@@ -83,7 +60,7 @@ class DecodeImages:
             except Exception as exc:  # PIL raises many types for corrupt/truncated data
                 skipped[str(image_id)] = f"{type(exc).__name__}: {exc}"
         if skipped:
-            ray.get(ray.get_actor(self.ledger_name).add.remote(skipped))
+            self.skips.add(skipped)
         return images, np.asarray(keep, dtype=np.int64)
 
 
@@ -145,8 +122,8 @@ class TrainPreprocess:
     batch's draws.
     """
 
-    def __init__(self, cfg: RunConfig, ledger_name: str, teachers: dict | None = None, store=None):
-        self.decode = DecodeImages(ledger_name)
+    def __init__(self, cfg: RunConfig, skips: Skips, teachers: dict | None = None, store=None):
+        self.decode = DecodeImages(skips)
         self.pixels = Pixels(cfg.model, augment=cfg.data.augment)
         self.arch, self.pairs = cfg.model.arch, cfg.data.pairs_per_image
         self.teachers, self.store = teachers or {}, store
@@ -177,8 +154,8 @@ class TrainPreprocess:
 
 
 class EvalImages:
-    def __init__(self, cfg: RunConfig, ledger_name: str):
-        self.decode = DecodeImages(ledger_name)
+    def __init__(self, cfg: RunConfig, skips: Skips):
+        self.decode = DecodeImages(skips)
         self.pixels = Pixels(cfg.model, for_eval=True)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -234,13 +211,13 @@ def map_shards(ds: ray.data.Dataset, fn, rows: int, cfg: RunConfig) -> ray.data.
 
 def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int | None | bool = False,
                include_paths: bool = False, data: shards.RunData | None = None,
-               ledger_name: str | None = None, files: list[Location] | None = None) -> ray.data.Dataset:
+               skips: Skips | None = None, files: list[Location] | None = None) -> ray.data.Dataset:
     """A split's shards (or only ``files`` of them), only ``columns`` parsed; file order shuffled
     each epoch (seeded) unless ``shuffle_seed`` is False. The shards are checked against the
     manifest ``data`` holds (a run's, read once by the driver), else against the one read from the
     split's dataset directory: their
     number before the read, each one's SHA-256 as it is read (``data.shard_checks``, see
-    :mod:`pairsim.data.shard_reader`; shards left out go to ``ledger_name``'s ledger).
+    :mod:`pairsim.data.shard_reader`; shards left out are recorded in ``skips``).
 
     One read task per shard (a small split is not packed into one block that one CPU decodes,
     as Ray 2.60's V2 Parquet datasource does, ray-project/ray#63817), so Ray Data fuses the read
@@ -250,13 +227,13 @@ def read_split(cfg: RunConfig, split: str, columns: list[str], shuffle_seed: int
     manifest = data.manifest(split) if data else shards.read_manifest(cfg.data.split_path(split))
     fs, files = filesystem_and_paths(files or shards.split_shards(cfg.data.split_path(split), split, manifest))
     source = VerifiedParquetDatasource(files, filesystem=fs, digests=manifest.split(split).shard_sha256,
-                                       columns=columns, checks=cfg.data.shard_checks, ledger_name=ledger_name,
+                                       columns=columns, checks=cfg.data.shard_checks, skips=skips,
                                        include_paths=include_paths,
                                        shuffle=None if shuffle_seed is False else ray.data.FileShuffleConfig(seed=shuffle_seed))
     return ray.data.read_datasource(source, override_num_blocks=len(files))
 
 
-def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None,
+def train_dataset(cfg: RunConfig, skips: Skips, teachers: dict | None = None,
                   store=None, data: shards.RunData | None = None) -> ray.data.Dataset:
     """Training pairs (see :class:`TrainPreprocess`), with CUSA's live ``teachers``' inputs or
     the extracted features of a ``store`` (:class:`~pairsim.teachers.store.TeacherStore`): file
@@ -265,9 +242,9 @@ def train_dataset(cfg: RunConfig, ledger_name: str, teachers: dict | None = None
     from ray.data.expressions import random
 
     ds = read_split(cfg, cfg.data.train_split, ["image", "image_id", "captions"], shuffle_seed=cfg.data.seed,
-                    include_paths=store is not None, data=data, ledger_name=ledger_name)
+                    include_paths=store is not None, data=data, skips=skips)
     ds = ds.with_column("draw", random(seed=cfg.data.seed, reseed_after_execution=True))
-    return map_shards(ds, TrainPreprocess(cfg, ledger_name, teachers, store), cfg.train.micro_batch_size, cfg)
+    return map_shards(ds, TrainPreprocess(cfg, skips, teachers, store), cfg.train.micro_batch_size, cfg)
 
 
 def execution_options(cfg: RunConfig, data_nodes: dict[str, str] | None = None,
@@ -280,13 +257,13 @@ def execution_options(cfg: RunConfig, data_nodes: dict[str, str] | None = None,
         resource_limits=ray.data.ExecutionResources(cpu=cfg.data.max_cpus) if cfg.data.max_cpus else None)
 
 
-def eval_images(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image", "image_id", "label"], data=data, ledger_name=ledger_name),
-                      EvalImages(cfg, ledger_name), cfg.eval.batch_size, cfg)
+def eval_images(cfg: RunConfig, split: str, skips: Skips, data: shards.RunData | None = None) -> ray.data.Dataset:
+    return map_shards(read_split(cfg, split, ["image", "image_id", "label"], data=data, skips=skips),
+                      EvalImages(cfg, skips), cfg.eval.batch_size, cfg)
 
 
-def eval_texts(cfg: RunConfig, split: str, ledger_name: str, data: shards.RunData | None = None) -> ray.data.Dataset:
-    return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data, ledger_name=ledger_name),
+def eval_texts(cfg: RunConfig, split: str, skips: Skips, data: shards.RunData | None = None) -> ray.data.Dataset:
+    return map_shards(read_split(cfg, split, ["image_id", "captions"], data=data, skips=skips),
                       EvalTexts(cfg.model.arch), cfg.eval.batch_size, cfg)
 
 

@@ -4,8 +4,8 @@ dataset, no second read).
 
 ``data.shard_checks`` says what a mismatch does: ``error`` (the default) fails the read naming
 the shard, both digests and ``pairsim shards verify``; ``skip`` leaves the shard out, listing
-each of its image ids (or the shard, when it does not parse) in the run's skipped-images ledger;
-``off`` reads it unchecked. A manifest written before pairsim recorded per-shard digests gives
+each of its image ids (or the shard, when it does not parse) among the run's skipped records
+(:mod:`pairsim.data.skips`); ``off`` reads it unchecked. A manifest written before pairsim recorded per-shard digests gives
 nothing to check against: its shards are read as they are.
 """
 
@@ -17,10 +17,10 @@ from pathlib import PurePosixPath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import ray
 from ray.data.datasource import FileBasedDatasource
 
 from pairsim.data.shards import ShardError
+from pairsim.data.skips import Skips
 
 
 class ShardChecksumError(ShardError):
@@ -43,12 +43,12 @@ class VerifiedParquetDatasource(FileBasedDatasource):
     _FILE_EXTENSIONS = ["parquet"]
 
     def __init__(self, paths: list[str], *, digests: dict[str, str], columns: list[str], checks: str,
-                 ledger_name: str | None, **kwargs):
+                 skips: Skips | None, **kwargs):
         super().__init__(paths, **kwargs)
         self._digests = digests if checks != "off" else {}
         self._columns = columns
         self._checks = checks
-        self._ledger_name = ledger_name
+        self._skips = skips
 
     def _read_stream(self, f: pa.NativeFile, path: str) -> Iterator[pa.Table]:
         data = f.readall()
@@ -66,8 +66,8 @@ class VerifiedParquetDatasource(FileBasedDatasource):
             ids = [str(i) for i in pq.read_table(pa.BufferReader(data), columns=["image_id"])["image_id"].to_pylist()]
         except Exception:  # too damaged to list its rows: the shard stands for them
             ids = [f"shard {path}"]
-        if self._ledger_name is not None:
-            ray.get(ray.get_actor(self._ledger_name).add.remote(dict.fromkeys(ids, reason)))
+        if self._skips is not None:
+            self._skips.add(dict.fromkeys(ids, reason))
 
 
 def checksum_failure(error: BaseException) -> ShardChecksumError | None:

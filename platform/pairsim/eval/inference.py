@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import uuid
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -17,7 +16,7 @@ from tqdm import tqdm
 
 from pairsim.cluster import NodeRoles
 from pairsim.config import ModelConfig, RunConfig
-from pairsim.data import ingest, shards
+from pairsim.data import ingest, shards, skips
 from pairsim.eval.suite import SplitEmbeddings
 from pairsim.log import get_logger
 from pairsim.models import clip
@@ -111,8 +110,7 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     The images and the captions are two Ray Data executions, run at once: on GPU each starts
     actors of its own, fresh processes that import open_clip before their first batch, so the
     second start overlaps the first rather than following it."""
-    ledger_name = f"pairsim-eval-skips-{uuid.uuid4().hex[:8]}"
-    ledger = ingest.skip_ledger(ledger_name)
+    split_skips = skips.new_scope(f"eval-{split}")
     data = data or shards.RunData.read(cfg.data)
     counts = data.split(split)
     shared = model if cfg.train.use_gpu else ray.put(model)  # on CPU one copy, one fetch a process, for both
@@ -129,11 +127,11 @@ def embed_with_ray_data(model: RetrievalModel, cfg: RunConfig, split: str, progr
     try:
         with tqdm(total=counts.images + counts.captions, desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
-            texts = in_daemon_thread(embedded, ingest.eval_texts(cfg, split, ledger_name, data), bar)
-            batches = embedded(ingest.eval_images(cfg, split, ledger_name, data), bar) + texts.result()
-        skipped = ray.get(ledger.get.remote())
+            texts = in_daemon_thread(embedded, ingest.eval_texts(cfg, split, split_skips, data), bar)
+            batches = embedded(ingest.eval_images(cfg, split, split_skips, data), bar) + texts.result()
+        skipped = split_skips.recorded()
     finally:
-        ray.kill(ledger)
+        split_skips.drop()
     if skipped:
         log.warning("%s: skipped %d unreadable images, e.g. %s", split, len(skipped), next(iter(skipped.items())))
     return SplitEmbeddings.from_batches(batches)

@@ -225,19 +225,20 @@ class FromShard:
 
 
 def pipeline(model, cfg: RunConfig, split: str, manifest: shards.Manifest, pending: dict[str, list[Location]],
-             ledger_name: str):
+             skips):
     """One Ray Data dataset over the pending shards of both modalities: images decoded and
     captions tokenized (``ingest.EvalImages``, ``ingest.EvalTexts``) by CPU tasks, both embedded
     as :func:`pairsim.eval.inference.embedded_by` says. Each block holds one modality's rows with
-    their ``input_shard``."""
+    their ``input_shard``; what cannot be read is recorded in ``skips``
+    (:class:`pairsim.data.skips.Skips`)."""
     from pairsim.data import ingest
     from pairsim.eval.inference import embedded_by
 
-    readers = {"image": (["image", "image_id", "label"], ingest.EvalImages(cfg, ledger_name)),
+    readers = {"image": (["image", "image_id", "label"], ingest.EvalImages(cfg, skips)),
                "text": (["image_id", "captions"], ingest.EvalTexts(cfg.model.arch))}
     data = shards.RunData(cfg.data, {str(cfg.data.split_path(split)): manifest})  # the shards checked against it
     parts = [ingest.map_shards(ingest.read_split(cfg, split, readers[m][0], include_paths=True, data=data,
-                                                 ledger_name=ledger_name, files=files),
+                                                 skips=skips, files=files),
                                FromShard(readers[m][1]), cfg.eval.batch_size, cfg)
              for m, files in pending.items() if files]
     ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
@@ -331,23 +332,19 @@ def run_pipeline(output: Output, model, cfg: RunConfig, split: str, data: shards
     """Run :func:`pipeline` over ``pending``, writing each output shard once its rows are in;
     the shards still open when the stream ends (an image of theirs was skipped) are written last,
     after the skipped images are recorded."""
-    import uuid
-
-    import ray
     from tqdm import tqdm
 
     from pairsim.cluster import init_ray
-    from pairsim.data import ingest
+    from pairsim.data import skips
 
     init_ray(cfg)
     open_shards = {(m, f.name): ShardRows(f, m) for m, files in pending.items() for f in files}
-    ledger_name = f"pairsim-embed-skips-{uuid.uuid4().hex[:8]}"
-    ledger = ingest.skip_ledger(ledger_name)
+    embed_skips = skips.new_scope("embed")
     dim = output.manifest.dim
     try:
         with tqdm(total=sum(len(s.keys) for s in open_shards.values()), desc=f"embedding {split}", unit="item",
                   disable=not progress) as bar:
-            for block in pipeline(model, cfg, split, data, pending, ledger_name).iter_batches(batch_size=None,
+            for block in pipeline(model, cfg, split, data, pending, embed_skips).iter_batches(batch_size=None,
                                                                                               batch_format="numpy"):
                 modality = "image" if "image_ids" in block else "text"
                 keys = ([str(i) for i in block["image_ids"]] if modality == "image" else
@@ -359,9 +356,9 @@ def run_pipeline(output: Output, model, cfg: RunConfig, split: str, data: shards
                     if shard.whole:
                         output.write_shard(modality, str(name), open_shards.pop((modality, str(name))).table(dim))
                 bar.update(len(keys))
-        skipped = ray.get(ledger.get.remote())
+        skipped = embed_skips.recorded()
     finally:
-        ray.kill(ledger)
+        embed_skips.drop()
     if skipped:
         log.warning("%s: skipped %d unreadable images, e.g. %s; all are listed under skipped in %s", split,
                     len(skipped), next(iter(skipped.items())), output.root / MANIFEST)

@@ -31,7 +31,7 @@ from ray.train.torch import TorchTrainer
 
 from pairsim import build, cluster, compat, dist, locks, log, signals, storage, tracking
 from pairsim.config import ConfigError, RunConfig
-from pairsim.data import ingest, shards
+from pairsim.data import ingest, shards, skips
 from pairsim.data.shard_reader import checksum_failure
 from pairsim.eval import inference, report, suite
 from pairsim.models import clip, retrieval
@@ -306,12 +306,11 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
     tracking.log_datasets(tracking_uri, run_id, plan.data, test=role.tested)
     clock.lap("mlflow")
 
-    ledger_name = f"pairsim-skips-{run_name}"
-    ledger = ingest.skip_ledger(ledger_name)
+    run_skips = skips.new_scope(run_name)
     datasets = {
-        "train": ingest.train_dataset(cfg, ledger_name, *build.teacher_sources(cfg), data=plan.data),
-        "val_images": ingest.eval_images(cfg, cfg.data.val_split, ledger_name, plan.data),
-        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, ledger_name, plan.data),
+        "train": ingest.train_dataset(cfg, run_skips, *build.teacher_sources(cfg), data=plan.data),
+        "val_images": ingest.eval_images(cfg, cfg.data.val_split, run_skips, plan.data),
+        "val_texts": ingest.eval_texts(cfg, cfg.data.val_split, run_skips, plan.data),
     }
     data_config = DataConfig(datasets_to_split=["train"], execution_options={
         name: ingest.execution_options(cfg, roles.data, ordered=name == "train") for name in datasets})
@@ -330,7 +329,7 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
     # workers, and a WorkerJob would make it import torch, open_clip and DeepSpeed first.
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": pickle.dumps(WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, ledger_name,
+        train_loop_config={"job": pickle.dumps(WorkerJob(cfg, ds_config, per_epoch, run_id, tracking_uri, run_skips,
                                             log_level=logging.getLevelName(logger.getEffectiveLevel()),
                                             startup=clock, run_dir=run_dir.uri,
                                             logged_params={f"hparam/{key}": float(cfg.flat()[key])
@@ -364,6 +363,6 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
                 best_path, test_metrics = export_and_test(cfg, plan.data, result, run_dir, run_id, tracking_uri, roles)
             outcome.succeeded = True
         finally:
-            ray.kill(ledger)
+            run_skips.drop()
     return TrainResult(run_name, run_id, tracking_uri, dict(result.metrics or {}),
                        result.checkpoint and checkpoint_uri(result.checkpoint), best_path, test_metrics)

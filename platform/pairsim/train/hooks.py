@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import ray
 import torch
 
 from pairsim import dist, log
@@ -126,7 +125,6 @@ class Hooks:
         self.job, self.clock = job, job.startup
         self.run = (RunLogger(job.tracking_uri, job.run_id, cfg.tracking.system_metrics_interval_s,
                               tolerate_outage=True, continues_run=True) if rank == 0 else None)
-        self.ledger = ray.get_actor(job.ledger)
         self.pictures = EpochPictures() if self.run else None
         self.samples_per_step = cfg.train.micro_batch_size * world * cfg.train.accumulate_steps
         self.stepped = False  # this attempt's first step is done
@@ -181,9 +179,9 @@ class Hooks:
         self.train_s = epoch_seconds(self.started, device)
 
     def skipped_images(self) -> int:
-        """Rank 0: how many images the run's data pipelines skipped as unreadable so far (the
-        ledger actor's count), listed in the run's ``data/skipped_images.json``."""
-        skipped = ray.get(self.ledger.get.remote())
+        """Rank 0: how many images the run's data pipelines skipped as unreadable so far (its
+        :class:`~pairsim.data.skips.Skips`), listed in the run's ``data/skipped_images.json``."""
+        skipped = self.job.skips.recorded()
         if skipped:
             self.run.log_dict(skipped, "data/skipped_images.json")
             logger.warning("skipped %d unreadable images so far, e.g. %s; all are listed in the run's "

@@ -19,6 +19,7 @@ import ray.train
 import torch
 
 from pairsim.config import RunConfig
+from pairsim.data.skips import Skips
 from pairsim.eval import inference, suite
 from pairsim.models import clip
 from pairsim.teachers.encoders import MODALITIES, Teacher
@@ -45,7 +46,7 @@ class WorkerJob:
     steps_per_epoch: int
     run_id: str
     tracking_uri: str
-    ledger: str  # name of the run's skipped-image ledger actor
+    skips: Skips  # where the run's data pipelines record what they could not read
     log_level: str
     startup: StartupClock  # started when the driver's fit began: perf/startup_s counts from it
     run_dir: str  # where the run's checkpoints are (a path or URI): resumes pick from them
