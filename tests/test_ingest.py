@@ -109,6 +109,33 @@ def test_a_process_has_one_ledger_whose_scopes_tasks_fill_apart(ray_instance):
     second.drop()
 
 
+# a process that starts a local instance, records, stops it, and again (as bench_train does
+# between its runs): the second instance numbers its job and driver as the first did
+TWO_INSTANCES_IN_TURN = """
+import ray
+from pairsim.data import skips
+for instance in range(2):
+    ray.init(num_cpus=1, include_dashboard=False)
+    scope = skips.new_scope("run")
+    scope.add({str(instance): "truncated"})
+    print(scope.recorded(), flush=True)
+    ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_a_second_ray_instance_of_a_process_gets_a_ledger_of_its_own(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", TWO_INSTANCES_IN_TURN], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["{'0': 'truncated'}", "{'1': 'truncated'}"]
+
+
 @pytest.mark.slow
 def test_each_epoch_gives_every_image_once_in_equal_batches_and_counts_bad_images(
         ray_instance, dataset_with_bad_images, tmp_path):

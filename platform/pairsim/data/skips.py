@@ -52,18 +52,23 @@ class Skips:
         ray.get_actor(self.ledger).drop.remote(self.scope)
 
 
-# this process's ledger, by name: its creator holds the handle (an actor nobody holds is ended)
-_LEDGER_OF_THIS_PROCESS: dict[str, ray.actor.ActorHandle] = {}
+# this process's ledger, by its connection to Ray (node and worker): its creator holds the
+# handle (an actor nobody holds is ended)
+_LEDGER_OF_THIS_PROCESS: dict[tuple[str, str], tuple[str, ray.actor.ActorHandle]] = {}
 
 
 def new_scope(what: str) -> Skips:
     """A new scope, named after ``what`` (a run's name, ``embed``), in this process's ledger:
     created on first use, on this node (on another node it would take the run down with it
-    when that node is lost); a new connection to Ray gets a new one."""
+    when that node is lost). A new connection to Ray gets a new one: a driver's worker id is
+    its job's, which a second local instance started in the same process numbers alike, so
+    the node's id tells them apart."""
     context = ray.get_runtime_context()
-    name = f"pairsim-skips-{context.get_job_id()}-{context.get_worker_id()[:16]}"
-    if name not in _LEDGER_OF_THIS_PROCESS:
+    connection = (context.get_node_id(), context.get_worker_id())
+    if connection not in _LEDGER_OF_THIS_PROCESS:
         _LEDGER_OF_THIS_PROCESS.clear()
+        name = f"pairsim-skips-{context.get_worker_id()}"  # one per process of the job
         here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
-        _LEDGER_OF_THIS_PROCESS[name] = SkipLedger.options(name=name, scheduling_strategy=here).remote()
+        _LEDGER_OF_THIS_PROCESS[connection] = name, SkipLedger.options(name=name, scheduling_strategy=here).remote()
+    name, _ = _LEDGER_OF_THIS_PROCESS[connection]
     return Skips(name, f"{what}-{uuid.uuid4().hex[:8]}")
