@@ -1,5 +1,8 @@
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -125,10 +128,6 @@ for instance in range(2):
 
 @pytest.mark.slow
 def test_a_second_ray_instance_of_a_process_gets_a_ledger_of_its_own(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-c", TWO_INSTANCES_IN_TURN], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)

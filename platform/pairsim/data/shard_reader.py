@@ -5,8 +5,8 @@ dataset, no second read).
 ``data.shard_checks`` says what a mismatch does: ``error`` (the default) fails the read naming
 the shard, both digests and ``pairsim shards verify``; ``skip`` leaves the shard out, listing
 each of its image ids (or the shard, when it does not parse) among the run's skipped records
-(:mod:`pairsim.data.skips`); ``off`` reads it unchecked. A manifest written before pairsim recorded per-shard digests gives
-nothing to check against: its shards are read as they are.
+(:mod:`pairsim.data.skips`); ``off`` reads it unchecked. A manifest written before pairsim
+recorded per-shard digests gives nothing to check against: its shards are read as they are.
 """
 
 from __future__ import annotations

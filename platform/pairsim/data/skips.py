@@ -54,7 +54,7 @@ class Skips:
 
 # this process's ledger, by its connection to Ray (node and worker): its creator holds the
 # handle (an actor nobody holds is ended)
-_LEDGER_OF_THIS_PROCESS: dict[tuple[str, str], tuple[str, ray.actor.ActorHandle]] = {}
+_LEDGER_OF_THIS_PROCESS: dict[tuple[str, str], ray.actor.ActorHandle] = {}
 
 
 def new_scope(what: str) -> Skips:
@@ -64,11 +64,10 @@ def new_scope(what: str) -> Skips:
     its job's, which a second local instance started in the same process numbers alike, so
     the node's id tells them apart."""
     context = ray.get_runtime_context()
-    connection = (context.get_node_id(), context.get_worker_id())
-    if connection not in _LEDGER_OF_THIS_PROCESS:
+    node, worker = context.get_node_id(), context.get_worker_id()
+    name = f"pairsim-skips-{worker}"  # one per process of the job
+    if (node, worker) not in _LEDGER_OF_THIS_PROCESS:
         _LEDGER_OF_THIS_PROCESS.clear()
-        name = f"pairsim-skips-{context.get_worker_id()}"  # one per process of the job
-        here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
-        _LEDGER_OF_THIS_PROCESS[connection] = name, SkipLedger.options(name=name, scheduling_strategy=here).remote()
-    name, _ = _LEDGER_OF_THIS_PROCESS[connection]
+        here = NodeAffinitySchedulingStrategy(node, soft=False)
+        _LEDGER_OF_THIS_PROCESS[node, worker] = SkipLedger.options(name=name, scheduling_strategy=here).remote()
     return Skips(name, f"{what}-{uuid.uuid4().hex[:8]}")
