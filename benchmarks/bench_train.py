@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import re
 import socket
@@ -47,6 +48,7 @@ import time
 import traceback
 from datetime import datetime
 from pathlib import Path
+from typing import Any, Callable
 
 import pyarrow.parquet as pq
 import torch
@@ -60,6 +62,8 @@ from pairsim.models import clip
 
 WARMUP_STEPS = 10
 LOG_EVERY = 5
+STARTUP_PREFIX = "perf/startup/"  # the run's start-up phases (pairsim.train.worker.StartupClock)
+PLAIN = "plain PyTorch loop (no DeepSpeed)"
 OPEN_CLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16", "amp_bf16": "amp_bf16"}  # pairsim's → open_clip's
 
 
@@ -138,9 +142,12 @@ def run_pairsim(cfg: RunConfig) -> dict[str, float]:
 
     steady = statistics.median(m.value for m in history("train/samples_per_s") if m.step - LOG_EVERY + 1 > WARMUP_STEPS)
     peak = history("perf/gpu_peak_memory_gib")
+    phases = {key.removeprefix(STARTUP_PREFIX).removesuffix("_s"): value
+              for key, value in client.get_run(result.mlflow_run_id).data.metrics.items()
+              if key.startswith(STARTUP_PREFIX)}
     return {"rate": steady, "startup": history("perf/startup_s")[0].timestamp / 1000 - start, "wall": wall,
             "peak_gib": max(m.value for m in peak) if peak else None,
-            "val_share": history("perf/val_share")[-1].value}
+            "val_share": history("perf/val_share")[-1].value, "phases": phases}
 
 
 def free_port() -> int:
@@ -149,25 +156,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_synthetic(cfg: RunConfig, steps: int) -> dict[str, float]:
-    """pairsim's training step on inputs made once on the device: steady samples/s over the
-    5-step windows after the warm-up, and the allocator's peak."""
-    import deepspeed
-
-    from pairsim.train import accumulation
-    from pairsim.train import engine as engines
-
-    if not torch.distributed.is_initialized():  # one rank, as DeepSpeed wants it
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
-    engine = engines.create_engine(cfg, engines.deepspeed_config(cfg.train, cfg.optim, steps))
-    device, dtype, batch = engine.device, engines.DTYPES[cfg.train.precision], cfg.train.micro_batch_size
-    size = clip.preprocess_cfg(cfg.model).size
+def synthetic_inputs(cfg: RunConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch made once on ``device``: random uint8 pixels at the model's input size, tokens, group ids."""
+    batch, size = cfg.train.micro_batch_size, clip.preprocess_cfg(cfg.model).size
     height, width = (size, size) if isinstance(size, int) else size
-    pixels = torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, device=device)
-    tokens = clip.tokenizer(cfg.model.arch)([f"a synthetic caption {i}" for i in range(batch)]).to(device)
-    group_ids, normalize = torch.arange(batch, device=device), clip.PixelNormalizer(cfg.model)
+    return {"pixels": torch.randint(0, 256, (batch, 3, height, width), dtype=torch.uint8, device=device),
+            "tokens": clip.tokenizer(cfg.model.arch)([f"a synthetic caption {i}" for i in range(batch)]).to(device),
+            "group_ids": torch.arange(batch, device=device)}
 
+
+def time_steps(step: Callable[[], None], steps: int, batch: int, device: torch.device,
+               profile_steps: int = 0) -> dict[str, Any]:
+    """``step()`` run ``steps`` times in 5-step windows (the device synchronised at each window's
+    ends): steady samples/s after the warm-up, the first window's seconds and the allocator's
+    peak; then, with ``profile_steps``, that many more under torch.profiler (:func:`step_profile`)."""
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -179,16 +181,107 @@ def run_synthetic(cfg: RunConfig, steps: int) -> dict[str, float]:
         synchronize()
         began = time.perf_counter()
         for _ in range(LOG_EVERY):
-            accumulation.train_step(engine, [{"image": normalize(pixels, dtype), "text": tokens, "group_ids": group_ids}])
-            engines.clamp_temperatures(engine)
+            step()
         synchronize()
         seconds.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    timed = {"rate": statistics.median(LOG_EVERY * batch / s for s in seconds[WARMUP_STEPS // LOG_EVERY:]),
+             "first_window_s": seconds[0], "peak_gib": peak}
+    return timed | ({"profile": step_profile(step, profile_steps, device)} if profile_steps else {})
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def step_profile(step: Callable[[], None], steps: int, device: torch.device, top: int = 12) -> dict[str, Any]:
+    """Where a step's time goes, over ``steps`` steps under torch.profiler: its wall ms, the ms
+    the GPU ran kernels in it, the host's blocking waits on the device per step (the
+    :data:`SYNC_CALLS`: a cudaMemcpy from pageable memory waits too), and the ``top`` operators
+    by self CPU time, per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    wall_ms = (time.perf_counter() - began) * 1e3 / steps
+    events = prof.key_averages()
+    kernels_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3 / steps
+    syncs = {e.key: e.count / steps for e in events if e.key in SYNC_CALLS}
+    ops = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"wall_ms": wall_ms, "kernels_ms": kernels_ms, "syncs_per_step": syncs,
+            "launches_per_step": sum(e.count for e in events if e.key == "cudaLaunchKernel") / steps,
+            "ops": [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps,
+                     "self_gpu_ms": e.self_device_time_total / 1e3 / steps} for e in ops]}
+
+
+def run_synthetic(cfg: RunConfig, steps: int, profile_steps: int = 0) -> dict[str, Any]:
+    """pairsim's training step on inputs made once on the device: :func:`time_steps` of
+    ``accumulation.train_step`` and the temperature clamp, as the recipe runs them."""
+    import deepspeed
+
+    from pairsim.train import accumulation
+    from pairsim.train import engine as engines
+
+    if not torch.distributed.is_initialized():  # one rank, as DeepSpeed wants it
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        deepspeed.init_distributed(dist_backend="nccl" if cfg.train.use_gpu else "gloo")
+    engine = engines.create_engine(cfg, engines.deepspeed_config(cfg.train, cfg.optim, steps + profile_steps))
+    dtype, inputs, normalize = engines.DTYPES[cfg.train.precision], synthetic_inputs(cfg, engine.device), \
+        clip.PixelNormalizer(cfg.model)
+
+    def step():
+        accumulation.train_step(engine, [{"image": normalize(inputs["pixels"], dtype), "text": inputs["tokens"],
+                                          "group_ids": inputs["group_ids"]}])
+        engines.clamp_temperatures(engine)
+
+    measured = time_steps(step, steps, cfg.train.micro_batch_size, engine.device, profile_steps)
+    engine.destroy()
     del engine
+    if cfg.train.use_gpu:
+        torch.cuda.empty_cache()
+    return measured
+
+
+def run_plain_synthetic(cfg: RunConfig, steps: int, profile_steps: int = 0) -> dict[str, Any]:
+    """The same model and objective in a plain PyTorch loop, open_clip_train's arithmetic
+    (float32 weights, bf16 autocast when ``cfg`` asks for bf16, torch's fused AdamW, its
+    global-norm clipping): the step without DeepSpeed, as a ceiling for pairsim's."""
+    from pairsim.build import build_objective
+    from pairsim.models import retrieval
+    from pairsim.train.engine import parameter_groups
+
+    device = torch.device("cuda" if cfg.train.use_gpu else "cpu")
+    objective = build_objective(cfg.loss, 0, 1)
+    torch.manual_seed(cfg.train.seed)
+    model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs).to(device)
+    objective.to(device)
+    params = parameter_groups(torch.nn.ModuleList([model, objective]), cfg.optim.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                                  fused=device.type == "cuda")
+    inputs, normalize = synthetic_inputs(cfg, device), clip.PixelNormalizer(cfg.model)
+    autocast = cfg.train.precision in ("bf16", "amp_bf16")
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            features = model(image=normalize(inputs["pixels"]), text=inputs["tokens"])
+            loss = objective(**features, group_ids=inputs["group_ids"])["loss"]
+        loss.backward()
+        if cfg.optim.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+
+    measured = time_steps(step, steps, cfg.train.micro_batch_size, device, profile_steps)
+    del model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"rate": statistics.median(LOG_EVERY * batch / s for s in seconds[WARMUP_STEPS // LOG_EVERY:]),
-            "first_window_s": seconds[0], "peak_gib": peak}
+    return measured
 
 
 def main() -> None:
@@ -202,14 +295,21 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, help="of the generated images (default: the model's input)")
     parser.add_argument("--precision", choices=list(OPEN_CLIP_PRECISION), default="fp32")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of each tool, taken in turn; the table gives each figure's median over them")
+                        help="runs of each tool, taken in turn; the table gives each figure's median over them "
+                             "(0: none, the --synthetic steps alone)")
     parser.add_argument("--synthetic", action="store_true", help="also pairsim's step on pre-made device tensors")
     parser.add_argument("--variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="with --synthetic: also the step with these config overrides, one variant each")
+    parser.add_argument("--real-variants", nargs="*", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="also pairsim's real-data run with these config overrides, one run each")
+    parser.add_argument("--plain", action="store_true",
+                        help="with --synthetic: also the model and objective in a plain PyTorch loop (no DeepSpeed)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="with --synthetic: profile this many more steps of each (torch.profiler)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/train"))
     results.add_results_argument(parser)
     args = parser.parse_args()
-    for variant in args.variants:  # a bad key fails here, before any run
+    for variant in args.variants + args.real_variants:  # a bad key fails here, before any run
         try:
             pairsim_config(Path("."), Path("."), args, *variant.split(","))
         except ConfigError as exc:
@@ -226,34 +326,42 @@ def main() -> None:
         export_csv(dataset, table.parent)
 
     real = f"pairsim (1 worker, ZeRO-0, {args.precision})"
-    runs: dict[str, list[dict[str, float]]] = {"open_clip_train (baseline)": [], real: []}
+    pairsim_runs = {real: ()} | {f"pairsim, {variant}": tuple(variant.split(",")) for variant in args.real_variants}
+    runs: dict[str, list[dict[str, float]]] = {"open_clip_train (baseline)": []} | {name: [] for name in pairsim_runs}
     for _ in range(args.repeats):  # in turn, so a slow spell of the machine falls on both
         runs["open_clip_train (baseline)"].append(run_open_clip_train(table, out, args))
-        runs[real].append(run_pairsim(pairsim_config(dataset, out, args)))
-    measured = {name: median_run(tool_runs) for name, tool_runs in runs.items()}
-    synthetic: dict[str, dict[str, float] | str] = {}  # a failure's message in place of its figures
+        for name, overrides in pairsim_runs.items():
+            runs[name].append(run_pairsim(pairsim_config(dataset, out, args, *overrides)))
+    measured = {name: median_run(tool_runs) for name, tool_runs in runs.items() if tool_runs}
+    synthetic: dict[str, dict[str, Any] | str] = {}  # a failure's message in place of its figures
 
     def publish() -> None:  # after each measurement: a run stopped at its time limit keeps what it measured
         results.publish("bench_train", tables(args, size, measured, real, synthetic), args.results,
                         time.perf_counter() - started, on_gpu=args.device == "cuda")
 
     publish()
+    steps = max(args.images // args.batch_size, WARMUP_STEPS + 2 * LOG_EVERY)
     variants = {real: ()} | {variant: tuple(variant.split(",")) for variant in args.variants}
-    for name, overrides in variants.items() if args.synthetic else ():
+    runners = {name: functools.partial(run_synthetic, pairsim_config(dataset, out, args, *overrides))
+               for name, overrides in variants.items()}
+    if args.plain:
+        runners[PLAIN] = functools.partial(run_plain_synthetic, pairsim_config(dataset, out, args))
+    for name, runner in runners.items() if args.synthetic else ():
         try:
-            synthetic[name] = run_synthetic(pairsim_config(dataset, out, args, *overrides),
-                                            steps=max(args.images // args.batch_size, WARMUP_STEPS + 2 * LOG_EVERY))
+            synthetic[name] = runner(steps, args.profile_steps)
         except Exception as exc:  # the other rows still count; the failure is the row's finding
             traceback.print_exc()
             synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         publish()
 
 
-def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
-    """Each figure's median over a tool's runs (None where the tool has none); ``rates``: every
-    run's steady rate."""
-    figures = {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs) for key in runs[0]}
-    return figures | {"rates": [run["rate"] for run in runs]}
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over a tool's runs (None where the tool has none; start-up ``phases``
+    each phase's median); ``rates``: every run's steady rate."""
+    figures = {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs)
+               for key in runs[0] if key != "phases"}
+    phases = {phase: statistics.median(run["phases"][phase] for run in runs) for phase in runs[0].get("phases", {})}
+    return figures | {"rates": [run["rate"] for run in runs]} | ({"phases": phases} if phases else {})
 
 
 def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
@@ -265,7 +373,7 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
         f"{where}, {args.data_workers} data worker(s) each",
         ["tool", "steady samples/s", "ratio", "start-up s", "wall s", "peak GPU GiB", "val s / train s", "runs' rates"],
         ["", ".1f", ".2f", ".1f", ".1f", ".2f", ".3f", ""])
-    baseline = measured["open_clip_train (baseline)"]["rate"]
+    baseline = measured["open_clip_train (baseline)"]["rate"] if measured else None
     for name, m in measured.items():
         throughput.add(name, m["rate"], m["rate"] / baseline, m["startup"], m["wall"], m["peak_gib"], m.get("val_share"),
                        ", ".join(f"{rate:.1f}" for rate in m["rates"]))
@@ -275,8 +383,20 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
                             "Ray's start, a val evaluation (its seconds over the epoch's training seconds: val s / "
                             "train s) and a checkpoint, which the baseline was told to skip; its peak memory holds "
                             "the validation.")
+    tables_ = [throughput] if measured else []
+    phased = {name: m["phases"] for name, m in measured.items() if "phases" in m}
+    if phased:
+        phases = list(dict.fromkeys(phase for p in phased.values() for phase in p))
+        startup = results.Table("pairsim's start-up by phase (perf/startup/<phase>_s, median over runs), s",
+                                ["run", *phases, "sum"], ["", *[".1f"] * len(phases), ".1f"])
+        for name, p in phased.items():
+            startup.add(name, *[p.get(phase) for phase in phases], sum(p.values()))
+        startup.notes.append("Phases in order (pairsim.train.worker.StartupClock): the driver's checks, Ray's "
+                             "start, MLflow, the datasets; the worker group (Train's controller, workers, process "
+                             "group); on rank 0 the engine, restore, MLflow; the first batch and the first step.")
+        tables_.append(startup)
     if not synthetic:
-        return [throughput]
+        return tables_
     step = results.Table(
         f"pairsim's step on pre-made device tensors (synthetic) against the real run, {args.model}, batch "
         f"{args.batch_size}, {args.precision}",
@@ -287,10 +407,34 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
             step.add(name, None, None, None, None)
             step.notes.append(f"{name} failed: {m}")
         else:
-            step.add(name, m["rate"], measured[real]["rate"] / m["rate"] if name == real else None,
+            step.add(name, m["rate"], measured[real]["rate"] / m["rate"] if name == real and measured else None,
                      m["first_window_s"], m["peak_gib"])
     step.notes.append("real data / synthetic: the real run's steady rate over its own step's (its ceiling).")
-    return [throughput, step]
+    profiled = {name: m["profile"] for name, m in synthetic.items() if not isinstance(m, str) and "profile" in m}
+    return tables_ + [step] + ([profile_tables(args, profiled)] if profiled else []) + [
+        op_table(name, profile) for name, profile in profiled.items()]
+
+
+def profile_tables(args, profiled: dict[str, dict[str, Any]]) -> results.Table:
+    summary = results.Table(
+        f"Where a step goes, {args.profile_steps} steps under torch.profiler (per step)",
+        ["step", "wall ms", "GPU kernels ms", "kernels / wall", "kernel launches", "host waits on the device"],
+        ["", ".1f", ".1f", ".2f", ".0f", ""])
+    for name, p in profiled.items():
+        summary.add(name, p["wall_ms"], p["kernels_ms"], p["kernels_ms"] / p["wall_ms"], p["launches_per_step"],
+                    ", ".join(f"{k} {v:g}" for k, v in p["syncs_per_step"].items()) or "none")
+    summary.notes.append("GPU kernels ms: the time kernels ran; kernels / wall under 1 is the GPU waiting on the "
+                         "host (launches, Python, host waits). The profiler's own cost is in the wall ms.")
+    return summary
+
+
+def op_table(name: str, profile: dict[str, Any]) -> results.Table:
+    ops = results.Table(f"{name}: the operators with the most host time, per step",
+                        ["operator", "self CPU ms", "calls", "self GPU ms"], ["", ".2f", ".1f", ".2f"])
+    for op in profile["ops"]:
+        ops.add(op["op"], op["self_cpu_ms"], op["calls"], op["self_gpu_ms"])
+    return ops
+
 
 if __name__ == "__main__":
     main()

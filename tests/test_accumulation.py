@@ -135,6 +135,30 @@ def test_cached_features_step_on_two_ranks_is_the_global_big_batch(objective):
         assert_same_gradients({n: torch.from_numpy(g) for n, g in grads.items()}, expected)
 
 
+class CountingEngine(TorchEngine):
+    """A :class:`TorchEngine` that counts its optimizer steps."""
+
+    steps = 0
+
+    def step(self):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("cache_features", [True, False])
+def test_a_non_finite_term_stops_the_run_after_its_step_naming_the_term(cache_features):
+    cfg = run_config("cusa_unified", *OBJECTIVES["cusa_unified"])
+    module = training_module(cfg)
+    batches = [only_needed(module, b) for b in micro_batches(seed=3)]
+    batches[0]["teacher_text"][1] = float("nan")  # CUSA's uni-modal soft labels: loss/usa, not loss/base
+    engine = CountingEngine(module, K)
+    with pytest.raises(FloatingPointError) as failed:
+        accumulation.train_step(engine, batches, cache_features=cache_features)
+    assert "loss/usa" in str(failed.value) and "loss/base" not in str(failed.value)
+    assert engine.steps == 1  # the first micro-batch's; no later one ran
+    finite = [only_needed(module, b) for b in micro_batches(seed=3)]
+    assert torch.isfinite(accumulation.train_step(CountingEngine(module, K), finite, cache_features)["loss"])
+
+
 def test_groups_drop_a_short_last_group():
     assert list(accumulation.groups(range(7), 3)) == [[0, 1, 2], [3, 4, 5]]
     assert list(accumulation.groups(range(2), 1)) == [[0], [1]]

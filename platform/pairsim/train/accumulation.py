@@ -59,8 +59,10 @@ def train_step(engine, micro_batches: list[MicroBatch], cache_features: bool = T
     outputs = []
     for batch in micro_batches:
         out = engine(method="loss", **batch)
+        terms = TermsOnHost(out)
         engine.backward(out["loss"])
         engine.step()
+        terms.check()
         outputs.append({k: v.detach() for k, v in out.items()})
     if len(outputs) == 1:  # no accumulation: the step as it always was
         return outputs[0]
@@ -77,8 +79,10 @@ def _cached_features_step(engine, micro_batches: list[MicroBatch]) -> dict[str, 
     leaves = {k: torch.cat([c[k] for c in cached]).requires_grad_() for k in cached[0]}
     targets = {k: torch.cat([b[k] for b in micro_batches]) for k in first if k not in MODEL_INPUTS}
     out = engine(method="loss", **{k: first[k] for k in MODEL_INPUTS}, cached_features=leaves, **targets)
+    terms = TermsOnHost(out)
     engine.backward(out["loss"], scale_wrt_gas=False)
     engine.step()
+    terms.check()
     offset = 0
     for batch, state in zip(rest, rng_states):
         _set_rng_state(state)
@@ -89,6 +93,30 @@ def _cached_features_step(engine, micro_batches: list[MicroBatch]) -> dict[str, 
         engine.step()
         offset += rows
     return {k: v.detach() for k, v in out.items()}
+
+
+class TermsOnHost:
+    """The objective's loss terms (``loss/...``), copied to host memory as soon as the forward has
+    queued them, and checked after the step: a NaN or infinite term stops the run before its
+    next step without the host waiting on the device between forward and backward (the copy
+    is done by the time the step's backward and optimizer are queued)."""
+
+    def __init__(self, out: dict[str, torch.Tensor]):
+        self.names = [k for k in out if k.startswith("loss/")]
+        values = torch.stack([out[k].detach().float() for k in self.names])
+        self.values = values.to("cpu", non_blocking=True)
+        self.copied = None
+        if values.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def check(self) -> None:
+        """Raise ``FloatingPointError`` naming each non-finite term."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        if not torch.isfinite(self.values).all():
+            bad = {name: float(v) for name, v in zip(self.names, self.values) if not torch.isfinite(v)}
+            raise FloatingPointError(f"non-finite loss terms {bad}; stopping the run")
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
