@@ -211,11 +211,13 @@ def step_profile(step: Callable[[], None], steps: int, device: torch.device, top
             torch.cuda.synchronize(device)
     wall_ms = (time.perf_counter() - began) * 1e3 / steps
     events = prof.key_averages()
-    kernels_ms = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3 / steps
+    on_host = [e for e in events if e.device_type.name == "CPU"]
+    on_device = [e for e in events if e.device_type.name == "CUDA"]  # kernels and copies, as the GPU ran them
+    kernels_ms = sum(e.self_device_time_total for e in on_device or on_host) / 1e3 / steps
     syncs = {e.key: e.count / steps for e in events if e.key in SYNC_CALLS}
-    ops = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)[:top]
+    ops = sorted(on_host, key=lambda e: -e.self_cpu_time_total)[:top]
     return {"wall_ms": wall_ms, "kernels_ms": kernels_ms, "syncs_per_step": syncs,
-            "launches_per_step": sum(e.count for e in events if e.key == "cudaLaunchKernel") / steps,
+            "launches_per_step": sum(e.count for e in events if e.key.startswith(("cudaLaunch", "cuLaunch"))) / steps,
             "ops": [{"op": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps, "calls": e.count / steps,
                      "self_gpu_ms": e.self_device_time_total / 1e3 / steps} for e in ops]}
 
