@@ -5,7 +5,8 @@ GPU also against pairsim's own step on pre-made device tensors (its ceiling).
     python benchmarks/bench_train.py [--images 6400] [--batch-size 64] [--threads 2] [--repeats 3]
     python benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
         --batch-size 256 --images 12800 --threads 6 --data-workers 6 --synthetic \
-        [--variants train.zero_stage=3 train.precision=amp_bf16 train.compile=true optim.grad_clip=0]
+        [--variants train.zero_stage=3 train.precision=amp_bf16 train.compile=true optim.grad_clip=0] \
+        [--real-variants train.precision=amp_bf16] [--plain] [--profile-steps 5]
 
 The shapes data is generated once, then exported to the tab-separated CSV + image files that
 ``open_clip_train`` reads. Both tools get the same compute threads and data workers (open_clip's
@@ -29,7 +30,13 @@ run's epoch (at least two windows after the warm-up), in this process, one engin
 after another: the real run's config (its ceiling), then that config with each of
 ``--variants`` (comma-separated overrides each: ``train.zero_stage=3``,
 ``train.precision=amp_bf16``, ``train.compile=true`` — whose first window holds the compilation —
-``optim.grad_clip=0``, …). Results go to ``bench_train.json`` on the CPU,
+``optim.grad_clip=0``, …), then with ``--plain`` the same model and objective in a plain PyTorch
+loop (no DeepSpeed). With ``--repeats N`` the steps are measured in N rounds, each in turn in
+every round, and each figure is the median over the rounds (``--repeats 0``: no real runs, one
+round). ``--profile-steps K`` profiles K more steps of each in the last round (torch.profiler:
+kernel time against wall time, launches, the host's waits on the device, the operators with
+the most host time). ``--real-variants`` adds pairsim real-data runs with overrides, each
+taken in turn with the others. Results go to ``bench_train.json`` on the CPU,
 ``bench_train_gpu.json`` on a GPU.
 """
 
@@ -348,22 +355,29 @@ def main() -> None:
                for name, overrides in variants.items()}
     if args.plain:
         runners[PLAIN] = functools.partial(run_plain_synthetic, pairsim_config(dataset, out, args))
-    for name, runner in runners.items() if args.synthetic else ():
-        try:
-            synthetic[name] = runner(steps, args.profile_steps)
-        except Exception as exc:  # the other rows still count; the failure is the row's finding
-            traceback.print_exc()
-            synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-        publish()
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    for last in [False] * (max(args.repeats, 1) - 1) + [True] if args.synthetic else ():  # in turn, as the runs
+        for name, runner in runners.items():
+            if isinstance(synthetic.get(name), str):
+                continue
+            try:
+                rounds[name].append(runner(steps, args.profile_steps if last else 0))
+            except Exception as exc:  # the other rows still count; the failure is the row's finding
+                traceback.print_exc()
+                synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                continue
+            synthetic[name] = median_run(rounds[name])
+            publish()
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over a tool's runs (None where the tool has none; start-up ``phases``
-    each phase's median); ``rates``: every run's steady rate."""
+    each phase's median; a step's ``profile``, the last run's); ``rates``: every run's steady rate."""
     figures = {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs)
-               for key in runs[0] if key != "phases"}
+               for key in runs[0] if key not in ("phases", "profile")}
     phases = {phase: statistics.median(run["phases"][phase] for run in runs) for phase in runs[0].get("phases", {})}
-    return figures | {"rates": [run["rate"] for run in runs]} | ({"phases": phases} if phases else {})
+    return figures | {"rates": [run["rate"] for run in runs]} | ({"phases": phases} if phases else {}) | (
+        {"profile": runs[-1]["profile"]} if "profile" in runs[-1] else {})
 
 
 def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
@@ -402,16 +416,19 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
     step = results.Table(
         f"pairsim's step on pre-made device tensors (synthetic) against the real run, {args.model}, batch "
         f"{args.batch_size}, {args.precision}",
-        ["pairsim step", "synthetic samples/s", "real data / synthetic", f"first {LOG_EVERY} steps s", "peak GPU GiB"],
-        ["", ".1f", ".2f", ".1f", ".2f"])
+        ["pairsim step", "synthetic samples/s", "real data / synthetic", f"first {LOG_EVERY} steps s", "peak GPU GiB",
+         "rounds' rates"],
+        ["", ".1f", ".2f", ".1f", ".2f", ""])
     for name, m in synthetic.items():
         if isinstance(m, str):
-            step.add(name, None, None, None, None)
+            step.add(name, None, None, None, None, "")
             step.notes.append(f"{name} failed: {m}")
         else:
             step.add(name, m["rate"], measured[real]["rate"] / m["rate"] if name == real and measured else None,
-                     m["first_window_s"], m["peak_gib"])
-    step.notes.append("real data / synthetic: the real run's steady rate over its own step's (its ceiling).")
+                     m["first_window_s"], m["peak_gib"], ", ".join(f"{rate:.1f}" for rate in m["rates"]))
+    step.notes.append("real data / synthetic: the real run's steady rate over its own step's (its ceiling). Each "
+                      f"figure the median over {max(args.repeats, 1)} round(s), every step measured in turn in each; "
+                      "the profiles are the last round's.")
     profiled = {name: m["profile"] for name, m in synthetic.items() if not isinstance(m, str) and "profile" in m}
     return tables_ + [step] + ([profile_tables(args, profiled)] if profiled else []) + [
         op_table(name, profile) for name, profile in profiled.items()]
