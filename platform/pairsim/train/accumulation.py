@@ -98,8 +98,8 @@ def _cached_features_step(engine, micro_batches: list[MicroBatch]) -> dict[str, 
 class TermsOnHost:
     """The objective's loss terms (``loss/...``), copied to host memory as soon as the forward has
     queued them, and checked after the step: a NaN or infinite term stops the run before its
-    next step without the host waiting on the device between forward and backward (the copy
-    is done by the time the step's backward and optimizer are queued)."""
+    next step. The host waits for the copy, if at all, only once the step's backward and
+    optimizer are queued behind it, so the device never idles for the check."""
 
     def __init__(self, out: dict[str, torch.Tensor]):
         self.names = [k for k in out if k.startswith("loss/")]
