@@ -202,7 +202,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def step_profile(step: Callable[[], None], steps: int, device: torch.device, top: int = 12) -> dict[str, Any]:
     """Where a step's time goes, over ``steps`` steps under torch.profiler: its wall ms, the ms
-    the GPU ran kernels in it, the host's blocking waits on the device per step (the
+    the GPU ran kernels in it (None on the CPU), the host's blocking waits on the device per step (the
     :data:`SYNC_CALLS`: a cudaMemcpy from pageable memory waits too), and the ``top`` operators
     by self CPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -220,7 +220,8 @@ def step_profile(step: Callable[[], None], steps: int, device: torch.device, top
     events = prof.key_averages()
     on_host = [e for e in events if e.device_type.name == "CPU"]
     on_device = [e for e in events if e.device_type.name == "CUDA"]  # kernels and copies, as the GPU ran them
-    kernels_ms = sum(e.self_device_time_total for e in on_device or on_host) / 1e3 / steps
+    kernels_ms = (sum(e.self_device_time_total for e in on_device or on_host) / 1e3 / steps
+                  if device.type == "cuda" else None)
     syncs = {e.key: e.count / steps for e in events if e.key in SYNC_CALLS}
     ops = sorted(on_host, key=lambda e: -e.self_cpu_time_total)[:top]
     return {"wall_ms": wall_ms, "kernels_ms": kernels_ms, "syncs_per_step": syncs,
@@ -271,6 +272,7 @@ def run_plain_synthetic(cfg: RunConfig, steps: int, profile_steps: int = 0) -> d
     model = retrieval.create_retrieval_model(cfg.model, fused="fused" in objective.needs).to(device)
     objective.to(device)
     params = parameter_groups(torch.nn.ModuleList([model, objective]), cfg.optim.weight_decay)
+    trained = [param for group in params for param in group["params"]]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                   fused=device.type == "cuda")
     inputs, normalize = synthetic_inputs(cfg, device), clip.PixelNormalizer(cfg.model)
@@ -282,8 +284,8 @@ def run_plain_synthetic(cfg: RunConfig, steps: int, profile_steps: int = 0) -> d
             features = model(image=normalize(inputs["pixels"]), text=inputs["tokens"])
             loss = objective(**features, group_ids=inputs["group_ids"])["loss"]
         loss.backward()
-        if cfg.optim.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        if cfg.optim.grad_clip:  # every trained parameter, the temperatures too, as DeepSpeed clips
+            torch.nn.utils.clip_grad_norm_(trained, cfg.optim.grad_clip)
         optimizer.step()
 
     measured = time_steps(step, steps, cfg.train.micro_batch_size, device, profile_steps)
@@ -356,12 +358,13 @@ def main() -> None:
     if args.plain:
         runners[PLAIN] = functools.partial(run_plain_synthetic, pairsim_config(dataset, out, args))
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
-    for last in [False] * (max(args.repeats, 1) - 1) + [True] if args.synthetic else ():  # in turn, as the runs
+    last_round = max(args.repeats, 1) - 1
+    for round_ in range(last_round + 1 if args.synthetic else 0):  # every step in turn in each, as the runs
         for name, runner in runners.items():
-            if isinstance(synthetic.get(name), str):
+            if isinstance(synthetic.get(name), str):  # failed in an earlier round
                 continue
             try:
-                rounds[name].append(runner(steps, args.profile_steps if last else 0))
+                rounds[name].append(runner(steps, args.profile_steps if round_ == last_round else 0))
             except Exception as exc:  # the other rows still count; the failure is the row's finding
                 traceback.print_exc()
                 synthetic[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
@@ -430,18 +433,20 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
                       f"figure the median over {max(args.repeats, 1)} round(s), every step measured in turn in each; "
                       "the profiles are the last round's.")
     profiled = {name: m["profile"] for name, m in synthetic.items() if not isinstance(m, str) and "profile" in m}
-    return tables_ + [step] + ([profile_tables(args, profiled)] if profiled else []) + [
+    return tables_ + [step] + ([profile_table(args, profiled)] if profiled else []) + [
         op_table(name, profile) for name, profile in profiled.items()]
 
 
-def profile_tables(args, profiled: dict[str, dict[str, Any]]) -> results.Table:
+def profile_table(args, profiled: dict[str, dict[str, Any]]) -> results.Table:
     summary = results.Table(
         f"Where a step goes, {args.profile_steps} steps under torch.profiler (per step)",
         ["step", "wall ms", "GPU kernels ms", "kernels / wall", "kernel launches", "host waits on the device"],
         ["", ".1f", ".1f", ".2f", ".0f", ""])
     for name, p in profiled.items():
-        summary.add(name, p["wall_ms"], p["kernels_ms"], p["kernels_ms"] / p["wall_ms"], p["launches_per_step"],
-                    ", ".join(f"{k} {v:g}" for k, v in p["syncs_per_step"].items()) or "none")
+        on_gpu = p["kernels_ms"] is not None
+        summary.add(name, p["wall_ms"], p["kernels_ms"], p["kernels_ms"] / p["wall_ms"] if on_gpu else None,
+                    p["launches_per_step"] if on_gpu else None,
+                    (", ".join(f"{k} {v:g}" for k, v in p["syncs_per_step"].items()) or "none") if on_gpu else None)
     summary.notes.append("GPU kernels ms: the time kernels ran; kernels / wall under 1 is the GPU waiting on the "
                          "host (launches, Python, host waits). The profiler's own cost is in the wall ms.")
     return summary
