@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_checks.sh sweep [SECONDS]    # the demo sweep, 4 trials sharing the GPU; a ZeRO-3 epoch
 #   bash benchmarks/gpu_checks.sh losses [SECONDS]   # bench_losses (rerun when platform/pairsim/losses changes)
 #   bash benchmarks/gpu_checks.sh profile [SECONDS]  # where the step goes: each precision and clipping path
-#                                                    # profiled against a plain PyTorch loop; start-up by phase
+#                                                    # profiled against a plain PyTorch loop; start-up by
+#                                                    # phase; tests/test_gpu.py
 #
 # Run from the project root on the GPU machine, with the dependency bundle carried in .gpu/
 # (../shared/tools/gpu-bundle). pydantic's typing_inspection was missing there on 2026-11-26 though
@@ -67,12 +68,13 @@ sweep)
 profile)
   # the real runs (open_clip_train; pairsim in bf16 and amp_bf16, with their start-up phases), then pairsim's step
   # on device tensors in each precision, with and without clipping, against the same model and objective in a
-  # plain PyTorch loop, each profiled for 5 steps
-  step 480 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
+  # plain PyTorch loop, each profiled for 5 steps; then tests/test_gpu.py
+  step 450 python3 benchmarks/bench_train.py --device cuda --model ViT-B-32 --image-size 224 --precision bf16 \
     --batch-size 256 --images 12800 --threads 6 --data-workers 6 --real-variants train.precision=amp_bf16 \
     --synthetic --plain --profile-steps 5 \
     --variants optim.grad_clip=0 train.precision=amp_bf16 train.precision=amp_bf16,optim.grad_clip=0 \
     --out /tmp/bench_train --results "$OUT"
+  step 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
   ;;
 losses)
   step 120 python3 benchmarks/bench_losses.py --sizes 1024 4096 --repeats 21 --results "$OUT"
