@@ -4,6 +4,9 @@ Registered by entry points (group ``pairsim.base_losses``) in
 ``tests/pairsim_toy_plugin-0.1.dist-info/entry_points.txt``, which ``importlib.metadata`` finds
 wherever tests/ is on the path: the test process and the Ray workers. Nothing registers on import."""
 
+import time
+from pathlib import Path
+
 import torch
 from pydantic import Field
 
@@ -57,3 +60,33 @@ class CosineHingeNanAfter(CosineHinge):
         self.calls += 1
         rows = super().rows(sim, targets, ignore)
         return rows if self.calls <= self.finite_calls else rows * float("nan")
+
+
+class CosineHingeHeld(CosineHinge):
+    """The hinge, which waits (until ``hold_file`` is gone) once ``run_dir`` holds a checkpoint of
+    epoch ``hold_from_epoch``: a run held at a known point for a fault to be injected there."""
+
+    class Params(CosineHinge.Params):
+        run_dir: str = Field(description="the run's directory, where its checkpoints are")
+        hold_file: str = Field(description="the run waits while this file exists")
+        hold_from_epoch: Int = Field(1, ge=1, description="the epoch whose checkpoint starts the wait")
+
+    def __init__(self, run_dir: str, hold_file: str, hold_from_epoch: int = 1, cos_margin: float = 0.3):
+        super().__init__(cos_margin)
+        self.run_dir, self.hold_file, self.hold_from_epoch = Path(run_dir), Path(hold_file), hold_from_epoch
+
+    def reached(self) -> bool:
+        from pairsim.train import checkpoints
+
+        for card in self.run_dir.glob(f"checkpoint_*/{checkpoints.CARD_FILE}"):
+            try:
+                if checkpoints.checkpoint_card(card.parent).epoch >= self.hold_from_epoch:
+                    return True
+            except (OSError, ValueError):  # being written
+                pass
+        return False
+
+    def rows(self, sim: torch.Tensor, targets: torch.Tensor, ignore: torch.Tensor | None = None) -> torch.Tensor:
+        while self.hold_file.exists() and self.reached():
+            time.sleep(0.5)
+        return super().rows(sim, targets, ignore)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-import toy_loss  # noqa: F401  (registers cos_hinge_nan_after here; workers import it from the pickled config)
+import toy_loss  # noqa: F401  (registers the toy losses here; workers import them from the pickled config)
 from conftest import (STEPS_PER_EPOCH, complete_checkpoints, e2e_overrides, start_mlflow_server, steps_logged_twice,
                       unused_port)
 from pairsim import log, storage, tracking
@@ -31,6 +31,7 @@ from pairsim.build import build_objective
 from pairsim.train import checkpoints, driver
 
 pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parents[1]
 
 
 def registered(run_dir: Path) -> set[str]:
@@ -75,11 +76,14 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     checkpoint is deleted by hand (Ray Train refused such a run directory) and epoch 2's model
     states are altered on disk. The re-run reports both, resumes from epoch 1's checkpoint into
     the same MLflow run and finishes, with every metric step logged once."""
-    run_dir = tmp_path / "ray" / "faults"
+    run_dir, hold = tmp_path / "ray" / "faults", tmp_path / "hold"
+    hold.touch()  # the run waits at epoch 4's first step while it exists: the driver is killed there, not later
     args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=4", "data.test_split=null",
-                         "ray.max_failures=1")
+                         "ray.max_failures=1", "loss.base=cos_hinge_held", f"loss.base.run_dir={run_dir}",
+                         f"loss.base.hold_file={hold}", "loss.base.hold_from_epoch=3")
     first_log = tmp_path / "first.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}  # SIGKILL ahead
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [env.get("PYTHONPATH")])])  # the toy losses
     first = subprocess.Popen([sys.executable, "-m", "pairsim.cli", "train", "--config", str(DEMO_CONFIG),
                               *(f"--set={a}" for a in args)],
                              env=env, cwd=tmp_path, stdout=first_log.open("w"), stderr=subprocess.STDOUT)
@@ -107,6 +111,7 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     assert MlflowClient(uri).get_run(run_id).info.status == "RUNNING"
 
     epoch1, epoch2, epoch3 = complete_checkpoints(run_dir)
+    hold.unlink()
     shutil.rmtree(epoch3)
     states = epoch2 / checkpoints.CHECKPOINT_TAG / "mp_rank_00_model_states.pt"
     data = bytearray(states.read_bytes())
