@@ -50,6 +50,15 @@ def test_overrides_are_applied_and_parsed_as_yaml(tmp_path):
     assert cfg.model.pretrained == "weights.pt"
 
 
+@pytest.mark.parametrize("overrides, precision", [([], "fp32"), (["train.use_gpu=true"], "amp_bf16"),
+                                                   (["train.use_gpu=true", "train.precision=bf16"], "bf16"),
+                                                   (["train.precision=amp_bf16"], "amp_bf16")])
+def test_an_unset_precision_is_amp_bf16_on_gpus_and_fp32_on_cpus(overrides, precision):
+    """Resolved when the config is read: the run logs, and the engine builds, the precision that ran."""
+    cfg = load_config(None, overrides)
+    assert cfg.train.precision == precision and cfg.model_dump()["train"]["precision"] == precision
+
+
 def test_run_name_must_be_usable_as_a_directory_name():
     with pytest.raises(ConfigError, match="ray.run_name"):
         load_config(None, ["ray.run_name=it's/mine"])

@@ -238,10 +238,11 @@ class TrainConfig(Section):
     epochs: Int = Field(1, ge=1)
     micro_batch_size: Int = Field(64, ge=2, description="rows per worker per step")
     zero_stage: Int = Field(2, ge=0, le=3)
-    precision: Literal["fp32", "bf16", "fp16", "amp_bf16"] = Field(
-        "fp32", description="bf16/fp16: DeepSpeed keeps the weights in that type, fp32 master copies in its "
-                            "optimizer; amp_bf16: fp32 weights, forward and loss under torch.autocast to bfloat16 "
-                            "(DeepSpeed's torch_autocast; open_clip_train's --precision amp_bf16)")
+    precision: Literal["fp32", "bf16", "fp16", "amp_bf16"] | None = Field(
+        None, description="bf16/fp16: DeepSpeed keeps the weights in that type, fp32 master copies in its "
+                          "optimizer; amp_bf16: fp32 weights, forward and loss under torch.autocast to bfloat16 "
+                          "(DeepSpeed's torch_autocast; open_clip_train's --precision amp_bf16); unset: amp_bf16 "
+                          "with use_gpu (the fastest path measured on a GPU), fp32 without")
     accumulate_steps: Int = Field(
         1, ge=1, description="micro-batches per optimizer step (the global batch is micro_batch_size × "
                              "num_workers × accumulate_steps)")
@@ -262,6 +263,12 @@ class TrainConfig(Section):
                                           "fields are refused, naming the field")
     log_every_n_steps: Int = Field(10, ge=1)
     seed: Int = 0
+
+    @model_validator(mode="after")
+    def _precision_for_the_device(self) -> TrainConfig:
+        if self.precision is None:
+            self.precision = "amp_bf16" if self.use_gpu else "fp32"
+        return self
 
     @field_validator("compile")
     @classmethod
