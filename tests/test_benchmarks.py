@@ -36,6 +36,8 @@ def check_results_file(json_file: Path) -> dict:
     assert script, result["command"]
     setting = re.search(r"--setting (\w+)", result["command"])  # reproduce.py's settings but its default
     names = {script[1], f"{script[1]}_gpu"} | ({f"{script[1]}_{setting[1]}"} if setting else set())  # _gpu: on a GPU
+    if "--profile-steps" in result["command"]:  # gpu_checks.sh profile's call, beside its plain comparison
+        names.add(f"{script[1]}_gpu_profile")
     assert json_file.stem in names, result["command"]
     for table in result["tables"]:
         assert table["rows"] and all(len(row) == len(table["columns"]) == len(table["formats"]) for row in table["rows"])
@@ -51,7 +53,7 @@ def test_the_docs_include_every_results_file_and_the_page_holds_no_table_of_its_
     written = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "benchmarks" / "results").glob("*.md"))
     assert sorted(included) == written
     expected = {*map(bench_all.results_name, bench_all.PROFILES), "bench_all"}
-    stems = {Path(p).stem.removesuffix("_gpu") for p in written}  # _gpu: by benchmarks/gpu_checks.sh
+    stems = {Path(p).stem.removesuffix("_profile").removesuffix("_gpu") for p in written}  # by gpu_checks.sh
     assert stems == expected, (expected, stems)
     outside_code = re.sub(r"```.*?```", "", page, flags=re.S)
     assert not re.search(r"^\s*\|", outside_code, re.M), "a table typed into the page instead of a results file"
