@@ -36,7 +36,7 @@ def check_results_file(json_file: Path) -> dict:
     assert script, result["command"]
     setting = re.search(r"--setting (\w+)", result["command"])  # reproduce.py's settings but its default
     names = {script[1], f"{script[1]}_gpu"} | ({f"{script[1]}_{setting[1]}"} if setting else set())  # _gpu: on a GPU
-    if "--profile-steps" in result["command"]:  # gpu_checks.sh profile's call, beside its plain comparison
+    if "--profile-steps" in result["command"]:  # gpu_checks.sh profile's call, kept beside bench_train_gpu
         names.add(f"{script[1]}_gpu_profile")
     assert json_file.stem in names, result["command"]
     for table in result["tables"]:
