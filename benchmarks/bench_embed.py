@@ -7,14 +7,14 @@ workers over the same images, in one run.
 
 The images are a synthetic shapes val split (``pairsim.data.synth.generate``, 64 px PNG); the
 model is a randomly initialised ``--arch`` (``pairsim-tiny``: 64 px; ``ViT-B-32``: 224 px).
-Both sides get ``--cpus`` CPUs: Ray Data a local instance of that many, with as many model
-actors on a CPU (``--concurrency``; Ray Data fuses the read and decode of one modality into
-them) or one on a GPU beside its decode tasks; the DataLoader ``--cpus`` decode workers and the
-model in the main process (torch's default threads), all at the same niceness (Ray's workers at
-nice 0, not its default 15). Each side is warmed up once (worker processes started, imports
-done, shards in the page cache), then timed ``--repeats`` times, the two taking turns; the
-medians are reported. Ray Data's runs are ``pairsim.serving.embeddings.pipeline`` as ``pairsim
-embed`` runs it (new model actors each run, as each job starts them), the embeddings collected
+Both sides get ``--cpus`` CPUs: Ray Data a local instance of that many, whose decoding tasks
+also embed on a CPU (one fused task a shard, each process holding a copy of the model;
+``pairsim.eval.inference.embedded_by``) or one model actor on a GPU beside its decode tasks; the
+DataLoader ``--cpus`` decode workers and the model in the main process (torch's default threads),
+all at the same niceness (Ray's workers at nice 0, not its default 15). Each side is warmed up
+once (worker processes started, imports done, shards in the page cache), then timed
+``--repeats`` times, the two taking turns; the medians are reported. Ray Data's runs are ``pairsim.serving.embeddings.pipeline`` as ``pairsim
+embed`` runs it (the model put in Ray's object store anew each run, as each job does), the embeddings collected
 on the driver; the DataLoader keeps its workers between runs. Both count from asking for the
 first batch to the last; the seconds to the first batch say how much of that is start-up.
 """
@@ -123,7 +123,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(ShardImages(cfg, shards.split_files(data, "val")), batch_size=None,
                                          num_workers=args.cpus, prefetch_factor=4, persistent_workers=True,
                                          multiprocessing_context="fork")
-    embed = EmbedBatches(copy.deepcopy(model), cfg.model, args.use_gpu)  # the pipeline's actors get their own
+    embed = EmbedBatches(copy.deepcopy(model), cfg.model, args.use_gpu)  # the pipeline's processes get their own
     pipeline_run(model, cfg)  # warm-ups: processes, imports, page cache
     dataloader_run(loader, embed)
     runs: dict[str, list[tuple[float, float]]] = {"loader": [], "ray": []}
@@ -136,7 +136,9 @@ def main() -> None:
     device = "GPU" if args.use_gpu else "CPU"
     table = results.Table(
         f"Embedding {args.images:,} images ({args.arch}, random init, {device}; batch {args.batch_size}, "
-        f"{args.cpus} CPUs each side, {concurrency} model actors), median of {args.repeats} runs after a warm-up one",
+        f"{args.cpus} CPUs each side; Ray Data embeds "
+        f"{'in 1 model actor' if args.use_gpu else 'in its decoding tasks'}), median of {args.repeats} runs after a "
+        "warm-up one",
         ["pipeline", "img/s", "vs DataLoader", "s to 1st batch"], ["", ".0f", ".2f", ".1f"])
     table.add("torch DataLoader loop (workers kept)", loader_rate, 1.0, loader_first)
     table.add("pairsim embed's Ray Data pipeline", ray_rate, ray_rate / loader_rate, ray_first)
