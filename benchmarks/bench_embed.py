@@ -13,9 +13,10 @@ also embed on a CPU (one fused task a shard, each process holding a copy of the 
 DataLoader ``--cpus`` decode workers and the model in the main process (torch's default threads),
 all at the same niceness (Ray's workers at nice 0, not its default 15). Each side is warmed up
 once (worker processes started, imports done, shards in the page cache), then timed
-``--repeats`` times, the two taking turns; the medians are reported. Ray Data's runs are ``pairsim.serving.embeddings.pipeline`` as ``pairsim
-embed`` runs it (the model put in Ray's object store anew each run, as each job does), the embeddings collected
-on the driver; the DataLoader keeps its workers between runs. Both count from asking for the
+``--repeats`` times, the two taking turns; the medians are reported. Ray Data's runs are
+``pairsim.serving.embeddings.pipeline`` as ``pairsim embed`` runs it (the model put in Ray's
+object store anew each run, as each job does), the embeddings collected on the driver; the
+DataLoader keeps its workers between runs. Both count from asking for the
 first batch to the last; the seconds to the first batch say how much of that is start-up.
 """
 
