@@ -16,8 +16,8 @@ once (worker processes started, imports done, shards in the page cache), then ti
 ``--repeats`` times, the two taking turns; the medians are reported. Ray Data's runs are
 ``pairsim.serving.embeddings.pipeline`` as ``pairsim embed`` runs it (the model put in Ray's
 object store anew each run, as each job does), the embeddings collected on the driver; the
-DataLoader keeps its workers between runs. Both count from asking for the
-first batch to the last; the seconds to the first batch say how much of that is start-up.
+DataLoader keeps its workers between runs. Both count from asking for the first batch to the
+last; the seconds to the first batch say how much of that is start-up.
 """
 
 from __future__ import annotations
