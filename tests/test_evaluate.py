@@ -48,20 +48,6 @@ def reference_metrics(sim, positives, ks, excluded=None):
     return out
 
 
-@pytest.fixture(params=["one-pass scan", "vectorised"])
-def block_path(request, monkeypatch):
-    """Each blocked test runs both ways a score block is read: on a CPU by the compiled one-pass
-    scan (which must then be called), and by the vectorised torch operations GPUs use."""
-    if request.param == "vectorised":
-        monkeypatch.setattr(metrics_module, "ONE_PASS_SCAN_DEVICES", ())
-        yield
-        return
-    calls, scan = [], metrics_module.scan_block
-    monkeypatch.setattr(metrics_module, "scan_block", lambda *a: calls.append(1) or scan(*a))
-    yield
-    assert calls
-
-
 def test_metrics_on_a_hand_computed_matrix():
     # query 0: positive ranked 2nd. Query 1: positives 0 and 3 ranked 1st and 3rd (R = 2: one in
     # the top 2, AP = (1/2)(1/1)). Query 2: positive ranked last. Query 3: no positive.
@@ -112,7 +98,7 @@ def test_dense_metrics_match_the_reference(seed):
 
 @pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 5)), (1, (1,), (3, 4)), (2, (1, 5), (64, 1000)),
                                             (3, (2,), (1, 1))])
-def test_blocked_equals_dense_with_ties_and_self_exclusion(seed, ks, blocks, block_path):
+def test_blocked_equals_dense_with_ties_and_self_exclusion(seed, ks, blocks):
     """Small blocks force many merges of running top-Ds; few labels make R large; ks=(1,) keeps
     the top list short so most first positives come from the exact rank passes."""
     queries, keys, ql, kl = tied_problem(seed, 37, 37, 4)
@@ -127,7 +113,7 @@ def test_blocked_equals_dense_with_ties_and_self_exclusion(seed, ks, blocks, blo
                                      query_block=blocks[0], key_block=blocks[1]) == pytest.approx(dense, abs=1e-9)
 
 
-def test_blocked_takes_string_free_numpy_labels_and_is_deterministic(block_path):
+def test_blocked_takes_string_free_numpy_labels_and_is_deterministic():
     queries, keys, ql, kl = tied_problem(5, 50, 80, 10)
     first = blocked_retrieval_metrics(queries, keys, ql.numpy(), kl.numpy(), query_block=16, key_block=16)
     assert first == blocked_retrieval_metrics(queries, keys, np.asarray(ql), np.asarray(kl), query_block=8,
@@ -147,7 +133,7 @@ def class_problem(seed, n_items, n_classes=3, dim=4):
 
 @pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 5)), (1, (1,), (2, 3)), (2, (1, 5), (16, 50)),
                                             (3, (1, 5), (64, 1000)), (4, (100,), (33, 17))])
-def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks, block_path):
+def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks):
     """R near 60 (more than every key block but the last, and than some ks) with 3 classes over
     240 items, each query's own key left out."""
     items, labels, self_keys = class_problem(seed, 240)
@@ -159,7 +145,7 @@ def test_blocked_with_class_labels_matches_the_reference(seed, ks, blocks, block
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed, block_path):
+def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed):
     """First ranks past the top D must be the ranks the float64 reference gives (score, then
     lowest index, the query's own key left out): with class labels (D = R, key blocks of 11:
     positives in more blocks than are kept), and with 5 positives each and D = 5 on a tied grid
@@ -186,7 +172,7 @@ def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed, bl
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch, block_path):
+def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch):
     """Six key blocks of 2048 and D = 6 take the narrowed path (groups of TOP_GROUP columns
     whose maximum reaches the floor and the D-th group maximum); scores on a coarse grid tie by
     the hundred, at the cut and across groups, so only the lower-index rule picks the top D.
@@ -213,7 +199,7 @@ def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch, block_
     assert called
 
 
-def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch, block_path):
+def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch):
     """With no positive pairs allowed (as with class labels in the thousands) no query block
     keeps a score block, and each query without a positive in its top D (structureless data, 5
     positives of 250 keys, D = 5: most queries) gets its exact rank from the two-pass fallback;
@@ -230,7 +216,7 @@ def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch, 
     assert sum(called) > 25
 
 
-def test_blocked_summarises_each_query_block_within_the_top_depth_budget(monkeypatch, block_path):
+def test_blocked_summarises_each_query_block_within_the_top_depth_budget(monkeypatch):
     """The ranked hits exist one query block at a time, of at most ⌊TOP_DEPTH_BUDGET / D⌋ queries
     when D is large, never [Q, D]; the metrics stay the reference's."""
     items, labels, self_keys = class_problem(5, 200, n_classes=2)

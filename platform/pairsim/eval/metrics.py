@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pairsim.eval.block_scan import scan_block
-
 Metrics = dict[str, float]
 
 TOP_DEPTH_BUDGET = 1 << 22
@@ -43,11 +41,6 @@ POSITIVE_PAIR_BUDGET = 1 << 20
 """Most (query, key) positive pairs a query block reads its best positives from (16 MB of
 indices); with more (class labels) the first ranks of queries with none in their top D take two
 further passes."""
-
-ONE_PASS_SCAN_DEVICES = ("cpu",)
-"""Device types whose score blocks are read once, by :func:`pairsim.eval.block_scan.scan_block`;
-elsewhere (a GPU) the vectorised torch operations of :func:`_block_candidates` and
-:func:`_count_above` narrow, merge and count."""
 
 KEPT_SCORE_BLOCKS = 4
 """Most score blocks (query block × key block, 16 MB at the defaults) a query block keeps while
@@ -268,17 +261,13 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
     known = (torch.bincount(rows, minlength=n_queries) == n_positive) & (n_positive > 0)
     best_score, best_index = torch.where(known, best_score, torch.inf), torch.where(known, best_index, n_keys)
     counting = bool(known.any())
-    top_score = torch.full((n_queries, depth), -torch.inf)  # ranked, or a heap on the one-pass scan's devices
+    top_score = torch.full((n_queries, depth), -torch.inf)
     top_index = torch.full((n_queries, depth), n_keys, dtype=torch.long)
     above = torch.zeros(n_queries, dtype=torch.long)
     buffer = torch.empty(n_queries, min(key_block, n_keys))
-    one_pass = queries.device.type in ONE_PASS_SCAN_DEVICES
     for start in [*kept, *(start for start in widths if start not in kept)]:
         scores = kept.pop(start) if start in kept else _score_block(queries, keys, start, widths[start], self_keys,
                                                                       buffer)
-        if one_pass:
-            scan_block(scores, start, best_score, best_index, above, top_score, top_index, counting)
-            continue
         values, columns = _block_candidates(scores, min(depth, scores.shape[1]), top_score[:, -1])
         if columns.shape[1]:
             indices = torch.where(columns < scores.shape[1], columns + start, n_keys)
@@ -286,8 +275,6 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
                                            depth)
         if counting:  # else no query of the block has a known best positive (class labels): nothing to count
             above += _count_above(scores, start, best_score, best_index)  # uses the scores up
-    if one_pass:
-        top_score, top_index = _ranked(top_score, top_index, depth)
     hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
     first_rank = hits.int().argmax(1) + 1
     missing = (n_positive > 0) & ~hits.any(1)
@@ -312,8 +299,7 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     hold the block's positives are scored first, which gives every query its best positive;
     every block then updates a running top-D, D = max(max(ks), largest R), and counts the keys
     ranked above the best positive, so a query with no positive in its top D (an untrained
-    model's) has its exact first rank from the same scores, not from more passes. On a CPU one
-    compiled pass over the block does both (:mod:`pairsim.eval.block_scan`). A query block
+    model's) has its exact first rank from the same scores, not from more passes. A query block
     is summarised (:func:`query_values`) before the next starts. With
     q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block·KEPT_SCORE_BLOCKS + D))
     for the block plus O(Q) for the per-query values (3 numbers each), whatever Q·D. It runs on
