@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,18 @@ def make_photos(out: Path, images: int) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class Epoch:
+    rate: float  # images/s from asking for the first batch to the last
+    first_batch_s: float  # seconds to the first batch
+    rate_after_first: float  # images/s from the first batch to the last
+
+
+def median_epoch(epochs: list[Epoch]) -> Epoch:
+    """Each field's median over the epochs."""
+    return Epoch(*(statistics.median(getattr(e, f.name) for e in epochs) for f in fields(Epoch)))
+
+
 class ShardBatches(torch.utils.data.IterableDataset):
     """The DataLoader baseline: each worker reads its share of the shards' row groups, in
     micro-batches, and runs the very ``TrainPreprocess`` the Ray Data pipeline runs."""
@@ -90,43 +103,45 @@ def dataloader(cfg: RunConfig, cpus: int) -> torch.utils.data.DataLoader:
                                        persistent_workers=True, multiprocessing_context="fork")
 
 
-def dataloader_rate(loader: torch.utils.data.DataLoader) -> float:
-    start, images = time.perf_counter(), 0
-    for batch in loader:
+def timed_epoch(batches) -> Epoch:
+    """One epoch of ``batches`` (an iterable, its iterator made and its first batch asked for
+    inside the timing)."""
+    start, images, first = time.perf_counter(), 0, None
+    for batch in batches:
+        if first is None:
+            first = time.perf_counter() - start
         images += len(batch["pixels"])
-    return images / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return Epoch(images / seconds, first, (images - len(batch["pixels"])) / (seconds - first))
 
 
-def ray_data_rate(cfg: RunConfig, dataset) -> float:
-    start, images = time.perf_counter(), 0
-    for batch in dataset.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
-                                            prefetch_batches=cfg.data.prefetch_batches,
-                                            local_shuffle_buffer_size=cfg.data.shuffle_buffer or None):
-        images += len(batch["pixels"])
-    return images / (time.perf_counter() - start)
+def ray_data_batches(cfg: RunConfig, dataset):
+    return dataset.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
+                                      prefetch_batches=cfg.data.prefetch_batches,
+                                      local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
 
 
-def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, float, float, float]:
-    """(name, DataLoader rate, Ray Data rate with each shard's SHA-256 checked as it is read —
-    ``data.shard_checks: error``, the default — and without: ``off``), medians of ``repeats``
-    epochs after a warm-up one each; the two Ray Data variants take turns, epoch by epoch."""
+def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, Epoch, Epoch, Epoch]:
+    """(name, the DataLoader's epoch, Ray Data's with each shard's SHA-256 checked as it is read —
+    ``data.shard_checks: error``, the default — and without: ``off``), each the medians of
+    ``repeats`` epochs after a warm-up one; the two Ray Data variants take turns, epoch by epoch."""
     bench_skips = skips.new_scope("bench-ingest")
     datasets = {}
     for checks in ("error", "off"):
         variant = cfg.model_copy(update={"data": cfg.data.model_copy(update={"shard_checks": checks})})
         datasets[checks] = ingest.train_dataset(variant, bench_skips)
         datasets[checks].context.execution_options = ingest.execution_options(variant, ordered=True)
-        ray_data_rate(cfg, datasets[checks])  # warm-up: worker processes, imports, page cache
-    rates: dict[str, list[float]] = {"error": [], "off": []}
+        timed_epoch(ray_data_batches(cfg, datasets[checks]))  # warm-up: worker processes, imports, page cache
+    epochs: dict[str, list[Epoch]] = {"error": [], "off": []}
     for _ in range(repeats):
         for checks, dataset in datasets.items():
-            rates[checks].append(ray_data_rate(cfg, dataset))
+            epochs[checks].append(timed_epoch(ray_data_batches(cfg, dataset)))
     loader = dataloader(cfg, cpus)
-    dataloader_rate(loader)  # the same warm-up
-    loader_rates = [dataloader_rate(loader) for _ in range(repeats)]
+    timed_epoch(loader)  # the same warm-up
+    loader_epochs = [timed_epoch(loader) for _ in range(repeats)]
     del loader  # its persistent workers end
     bench_skips.drop()
-    return name, statistics.median(loader_rates), statistics.median(rates["error"]), statistics.median(rates["off"])
+    return name, median_epoch(loader_epochs), median_epoch(epochs["error"]), median_epoch(epochs["off"])
 
 
 def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> tuple[dict[str, list[float]], float]:
@@ -152,7 +167,7 @@ def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> t
     return waits, statistics.median(rates)
 
 
-def throughput_table(args: argparse.Namespace, shapes: Path, out: Path) -> results.Table:
+def throughput_tables(args: argparse.Namespace, shapes: Path, out: Path) -> list[results.Table]:
     import ray
 
     ray.init(num_cpus=args.cpus)
@@ -171,9 +186,16 @@ def throughput_table(args: argparse.Namespace, shapes: Path, out: Path) -> resul
                           f"are without (off)",
                           ["data", "DataLoader img/s", "Ray Data img/s", "ratio", "Ray Data, checks off img/s",
                            "checked / off"], ["", ".0f", ".0f", ".2f", ".0f", ".2f"])
-    for name, loader_rate, ray_rate, unchecked_rate in rows:
-        table.add(name, loader_rate, ray_rate, ray_rate / loader_rate, unchecked_rate, ray_rate / unchecked_rate)
-    return table
+    start = results.Table(f"Where the ratio goes: each epoch's seconds to its first batch, and the images/s from "
+                          f"there to its last (medians of the same {args.repeats} epochs; Ray Data with checks)",
+                          ["data", "DataLoader 1st batch s", "Ray Data 1st batch s", "DataLoader img/s after it",
+                           "Ray Data img/s after it", "ratio after it"], ["", ".2f", ".2f", ".0f", ".0f", ".2f"])
+    for name, loader, checked, unchecked in rows:
+        table.add(name, loader.rate, checked.rate, checked.rate / loader.rate, unchecked.rate,
+                  checked.rate / unchecked.rate)
+        start.add(name, loader.first_batch_s, checked.first_batch_s, loader.rate_after_first,
+                  checked.rate_after_first, checked.rate_after_first / loader.rate_after_first)
+    return [table, start]
 
 
 def main() -> None:
@@ -197,7 +219,7 @@ def main() -> None:
     shapes = out / "shapes"
     if not (shapes / shards.MANIFEST).exists():
         synth.generate(shapes, num_train=args.images, num_val=200, num_test=0, rows_per_shard=512)
-    tables = [throughput_table(args, shapes, out)] if not args.skip_throughput else []
+    tables = throughput_tables(args, shapes, out) if not args.skip_throughput else []
     if not args.skip_training:
         demo = synth.ensure(out / f"shapes-demo-{args.train_images}-{args.val_images}", num_train=args.train_images,
                             num_val=args.val_images, num_test=0)
