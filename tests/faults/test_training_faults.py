@@ -124,6 +124,10 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     assert f"Ray Train's record of the run names checkpoints that are gone ({epoch3.name})" in out
     assert f"checkpoint {epoch2} is skipped: {checkpoints.CHECKPOINT_TAG}/mp_rank_00_model_states.pt: content " \
            "differs from its checksum" in out
+    deadline = time.time() + 60  # a worker's line, which Ray forwards to the driver a while later on a busy machine
+    while "resumed from checkpoint" not in out and time.time() < deadline:
+        time.sleep(1)
+        out += "".join(capfd.readouterr())
     assert "resumed from checkpoint: epoch 2, step 16" in out
     assert result.mlflow_run_id == run_id and result.metrics["step"] == 4 * STEPS_PER_EPOCH
     client = MlflowClient(uri)
