@@ -42,6 +42,7 @@ import torch
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
+from pairsim.eval import metrics as metrics_module
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 
 CAPTIONS = 5
@@ -106,17 +107,16 @@ def faiss_recall(queries, keys, query_labels, key_labels, ks=(1, 5, 10)) -> dict
 
 
 def blocked_matmul(queries, keys) -> dict[str, float]:
-    """Blocked's score blocks alone: the same matrix products into the same reused buffer, at
-    ``blocked_retrieval_metrics``'s default block sizes, with no ranking or counting — the part of
-    its time no change to its bookkeeping removes. No metrics."""
+    """Blocked's score blocks alone: its own ``_score_block`` (the same matrix products into the
+    same reused buffer) at ``blocked_retrieval_metrics``'s default block sizes, with no ranking or
+    counting — the part of its time no change to its bookkeeping removes. No metrics."""
     defaults = inspect.signature(blocked_retrieval_metrics).parameters
     query_block, key_block = defaults["query_block"].default, defaults["key_block"].default
-    buffer = torch.empty(query_block * key_block)
+    buffer = torch.empty(query_block, min(key_block, len(keys)))
     for start in range(0, len(queries), query_block):
-        block = queries[start:start + query_block]
         for key_start in range(0, len(keys), key_block):
-            key_rows = keys[key_start:key_start + key_block]
-            torch.mm(block, key_rows.T, out=buffer[:len(block) * len(key_rows)].view(len(block), len(key_rows)))
+            metrics_module._score_block(queries[start:start + query_block], keys, key_start,
+                                        min(key_block, len(keys) - key_start), None, buffer)
     return {}
 
 
