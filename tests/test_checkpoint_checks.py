@@ -308,7 +308,7 @@ def test_a_run_trained_in_process_keeps_the_latest_and_its_two_best_checkpoints(
     checkpoint is copied in under a Ray Train name, then the two best by the val metric and the
     latest stay, with no partial copy left behind."""
     (tmp_path / "run").mkdir()
-    run, keeping = storage.Location.of(tmp_path / "run"), checkpoints.Keeping("val/rsum", "max")
+    run, keeping = storage.Location.of(tmp_path / "run"), checkpoints.Keeping("val/rsum", "max", 2)
     kept = []
     for rsum in (100.0, 120.0, 90.0, 110.0, 80.0):
         source = tmp_path / f"saved-{rsum}"

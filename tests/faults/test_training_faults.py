@@ -75,11 +75,13 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     driver is SIGKILLed after epoch 3's (with the Ray instance it started); then epoch 3's
     checkpoint is deleted by hand (Ray Train refused such a run directory) and epoch 2's model
     states are altered on disk. The re-run reports both, resumes from epoch 1's checkpoint into
-    the same MLflow run and finishes, with every metric step logged once."""
+    the same MLflow run and finishes, with every metric step logged once. Three checkpoints are
+    kept besides the latest: with two, Ray Train deleted epoch 1's at epoch 3 whenever the
+    worker's kill came after Ray had ranked it (most runs ranked it too late to)."""
     run_dir, hold = tmp_path / "ray" / "faults", tmp_path / "hold"
     hold.touch()  # the run waits at epoch 4's first step while it exists: the driver is killed there, not later
     args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=4", "data.test_split=null",
-                         "ray.max_failures=1", "loss.base=cos_hinge_held", f"loss.base.run_dir={run_dir}",
+                         "ray.max_failures=1", "ray.checkpoints_kept=3", "loss.base=cos_hinge_held", f"loss.base.run_dir={run_dir}",
                          f"loss.base.hold_file={hold}", "loss.base.hold_from_epoch=3")
     first_log = tmp_path / "first.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}  # SIGKILL ahead

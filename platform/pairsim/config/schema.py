@@ -374,6 +374,8 @@ class RayConfig(Section):
                     "re-running a stopped or failed run's name resumes it, a finished run's with --resume",
     )
     max_failures: Int = Field(0, ge=-1, description="worker-group restarts from the last checkpoint")
+    checkpoints_kept: Int = Field(2, ge=1, description="the best checkpoints by eval.select_metric kept beside "
+                                                       "the latest (Ray Train's CheckpointConfig num_to_keep)")
     listen_on_all_interfaces: bool = Field(
         False, description="a local instance's dashboard, metrics and gRPC ports on every interface (Ray's "
                            "default: reachable from other machines) instead of 127.0.0.1 only")

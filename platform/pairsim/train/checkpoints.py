@@ -307,7 +307,7 @@ class Keeping:
 
     metric: str
     mode: str
-    num_to_keep: int = 2
+    num_to_keep: int
 
 
 def keep_checkpoint(ckpt_dir: str | Path, run: storage.Location, keeping: Keeping) -> storage.Location:

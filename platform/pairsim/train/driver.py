@@ -314,7 +314,7 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
     }
     data_config = DataConfig(datasets_to_split=["train"], execution_options={
         name: ingest.execution_options(cfg, roles.data, ordered=name == "train") for name in datasets})
-    keeping = checkpoints.Keeping(selection_metric(cfg), cfg.eval.select_mode)
+    keeping = checkpoints.Keeping(selection_metric(cfg), cfg.eval.select_mode, cfg.ray.checkpoints_kept)
     in_process = role.report_in_process and InProcess(role.report_in_process, keeping)
     if in_process:  # Ray Train's local mode hands the loop each dataset as given: split here, for one worker
         datasets = data_config.configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)[0]
