@@ -65,21 +65,25 @@ class Cluster:
     def role(self, role: str) -> set[str]:
         return {node_id for name, node_id in self.node_ids.items() if name.startswith(f"{role}-")}
 
-    def join(self, name: str, cpus: int, deadline: float) -> None:
-        """Start node ``name`` (labelled with its role, the part before the dash, and its
-        name) and wait until Ray lists it alive; three tries: a loaded machine can miss Ray's
-        30 s to register."""
+    def join(self, cpus: dict[str, int], deadline: float) -> None:
+        """Start the nodes ``cpus`` names (each labelled with its role, the part before the
+        dash, and its name), all at once, and wait until Ray lists them alive; three tries for
+        a node that did not join: a loaded machine can miss Ray's 30 s to register."""
         for attempt in range(3):
-            self.nodes[name] = start_node(self.logs / f"{name}-{attempt}.log", self.temp_dirs, self.env,
-                                          f"--address=127.0.0.1:{self.gcs}", f"--num-cpus={cpus}",
-                                          f"--labels=pairsim-role={name.split('-')[0]},node={name}")
-            while name not in self.node_ids and self.nodes[name].poll() is None and time.time() < deadline:
+            waiting = [name for name in cpus if name not in self.node_ids]
+            for name in waiting:
+                self.nodes[name] = start_node(self.logs / f"{name}-{attempt}.log", self.temp_dirs, self.env,
+                                              f"--address=127.0.0.1:{self.gcs}", f"--num-cpus={cpus[name]}",
+                                              f"--labels=pairsim-role={name.split('-')[0]},node={name}")
+            while (not set(waiting) <= self.node_ids.keys() and time.time() < deadline
+                   and any(self.nodes[name].poll() is None for name in waiting if name not in self.node_ids)):
                 self.node_ids |= {n["labels"]["node"]: n["node_id"] for n in state(self.address, "nodes")
                                   if n["state"] == "ALIVE" and "node" in n.get("labels", {})}
                 time.sleep(1)
-            if name in self.node_ids:
+            if set(cpus) <= self.node_ids.keys():
                 return
-        raise AssertionError((self.logs / f"{name}-{attempt}.log").read_text()[-3000:])
+        missing = next(name for name in cpus if name not in self.node_ids)
+        raise AssertionError((self.logs / f"{missing}-{attempt}.log").read_text()[-3000:])
 
     def kill(self, name: str) -> None:
         """The node's raylet, object store and workers gone at once, as a spot instance vanishes."""
@@ -87,6 +91,7 @@ class Cluster:
 
 
 LAYOUT = {"train-1": 1, "train-2": 1, "train-3": 1, "data-1": 2}  # CPUs by node: 2 workers, and one to spare
+TRAIN_IMAGES = 816  # 25 steps an epoch of 2 workers × 16, and 16 images that drop_last leaves unseen
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +110,7 @@ def cluster(tmp_path_factory, s3_env):
                              capture_output=True, env=CLIENT_ENV).returncode:
             assert time.time() < deadline and cluster.nodes["head"].poll() is None, (logs / "head.log").read_text()[-3000:]
             time.sleep(2)
-        for name, cpus in LAYOUT.items():  # one after the other
-            cluster.join(name, cpus, deadline)
+        cluster.join(LAYOUT, deadline)
         yield cluster
     finally:  # SIGKILL: nothing to keep, a node's state goes with its directory (SIGTERM took ~30 s)
         for node in reversed(cluster.nodes.values()):
@@ -165,7 +169,7 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
                            access_key=s3_env["AWS_ACCESS_KEY_ID"], secret_key=s3_env["AWS_SECRET_ACCESS_KEY"],
                            region=s3_env["AWS_DEFAULT_REGION"])
     s3.create_dir("pairsim-multinode")
-    src = job_source(tmp_path, 1200, train={"epochs": 2}, data={"audit_epochs": True},
+    src = job_source(tmp_path, TRAIN_IMAGES, train={"epochs": 2, "log_every_n_steps": 4}, data={"audit_epochs": True},
                      ray={"run_name": "survivor", "max_failures": 2, "storage_path": "s3://pairsim-multinode/ray"})
     job = subprocess.Popen(submit_command(cluster, src), stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT,
                            env=CLIENT_ENV)
@@ -176,11 +180,12 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
             assert job.poll() is None and time.time() < deadline, (tmp_path / "job.log").read_text()[-4000:]
             time.sleep(0.5)
 
-    wait_for_line("epoch 1/2 step 20/")
+    steps = TRAIN_IMAGES // (16 * 2)  # 25 an epoch
+    wait_for_line("epoch 1/2 step 12/")
     cluster.kill("data-1")
-    cluster.join("data-2", LAYOUT["data-1"], time.time() + 300)
+    cluster.join({"data-2": LAYOUT["data-1"]}, time.time() + 300)
     # An epoch-2 step is a collective of both ranks, each past its report of epoch 1's checkpoint.
-    wait_for_line("epoch 2/2 step 40/")
+    wait_for_line(f"epoch 2/2 step {steps + 3}/")
     before = {a["actor_id"]: a for a in state(cluster.address, "actors") if a["class_name"] == "RayTrainWorker"}
     assert len(before) == 2 and {a["node_id"] for a in before.values()} <= cluster.role("train")
     lost = next(name for name, node_id in cluster.node_ids.items()
@@ -193,8 +198,8 @@ def test_a_submitted_run_is_placed_by_role_and_survives_a_data_node_then_a_train
     assert run.info.status == "FINISHED" and steps_logged_twice(client, run.info.run_id) == {}
     history = {key: [m.value for m in client.get_metric_history(run.info.run_id, f"data/epoch_{key}")]
                for key in ("pairs", "pairs_repeated", "images_unseen")}
-    steps = 1200 // (16 * 2)
-    assert history == {"pairs": [steps * 32] * 2, "pairs_repeated": [0, 0], "images_unseen": [1200 - steps * 32] * 2}
+    assert history == {"pairs": [steps * 32] * 2, "pairs_repeated": [0, 0],
+                       "images_unseen": [TRAIN_IMAGES - steps * 32] * 2}
     assert len(client.get_metric_history(run.info.run_id, "val/rsum")) == 2 and "test/rsum" in run.data.metrics
     kept = checkpoints.inventory("s3://pairsim-multinode/ray/survivor")  # newest first, each verified
     assert [(card.epoch, problems) for _, card, problems in kept] == [(2, []), (1, [])]
