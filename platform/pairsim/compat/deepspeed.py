@@ -1,6 +1,7 @@
 """What pairsim uses of DeepSpeed beyond its public API: the classes its checkpoints pickle
 (:func:`checkpoint_globals`), its ``@torch.compile`` decorator replaced while Muon's module
-imports (:func:`import_muon_lazily`), and its optimizers' fp32 master copies
+imports (:func:`import_muon_lazily`), its CPU shared-memory all-reduce kernel left unbuilt
+(:func:`skip_shared_memory_allreduce`), and its optimizers' fp32 master copies
 (:func:`master_fragment`).
 
 Imports neither ``deepspeed`` nor ``torch`` at module level.
@@ -71,6 +72,20 @@ def import_muon_lazily() -> None:
         pass
     finally:
         compiler.compile = eager
+
+
+def skip_shared_memory_allreduce() -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce kernel
+    (``deepspeed_shm_comm``) when it starts its communication backend.
+
+    DeepSpeed 0.19 builds that kernel with the machine's C++ compiler whenever its CPU
+    accelerator starts the backend (``deepspeed.comm.torch.build_shm_op``): 34 s of the first
+    run's start-up on this 2-core machine, again after every new virtual environment (the
+    build is keyed by its paths), and a failed run where no compiler is installed. Only
+    ``inference_all_reduce`` (tensor-parallel inference) uses it; ZeRO's collectives go through
+    ``torch.distributed`` either way."""
+    backend = importlib.import_module("deepspeed.comm.torch")  # the package's own ``torch`` is PyTorch
+    backend.build_shm_op = lambda: None
 
 
 def master_fragment(optimizer, param: torch.nn.Parameter) -> torch.Tensor | None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pairsim import dist, log
-from pairsim.compat.deepspeed import import_muon_lazily, master_fragment
+from pairsim.compat.deepspeed import import_muon_lazily, master_fragment, skip_shared_memory_allreduce
 from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, merge
 from pairsim.build import build_objective
 from pairsim.losses import Objective, temperatures
@@ -169,6 +169,7 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any], objective: Objectiv
     if cfg.optim.impl == "deepspeed":
         prepare_deepspeed_ops()
     import_muon_lazily()
+    skip_shared_memory_allreduce()
     if objective is None:
         objective = build_objective(cfg.loss, dist.rank(), dist.world_size())
     torch.manual_seed(cfg.train.seed)
