@@ -70,7 +70,7 @@ def test_ray_workers_that_never_start_end_the_command_naming_why(tmp_path, tiny_
         "import os, sys\nif any('default_worker.py' in a for a in sys.argv):\n    os._exit(1)\n")
     started = time.time()
     proc = start_train(tmp_path, tiny_dataset, {"PYTHONPATH": os.pathsep.join(filter(None, [
-        str(broken), os.environ.get("PYTHONPATH")])), "PAIRSIM_WORKER_START_TIMEOUT_S": "20"})
+        str(broken), os.environ.get("PYTHONPATH")])), "PAIRSIM_WORKER_START_TIMEOUT_S": "10"})
     seen: set[psutil.Process] = set()
     while proc.poll() is None and time.time() - started < 150:
         seen |= descendants(proc)
@@ -78,6 +78,6 @@ def test_ray_workers_that_never_start_end_the_command_naming_why(tmp_path, tiny_
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1, out[-3000:]
     assert time.time() - started < 90
-    assert "Ray's worker processes did not start within 20 s" in out and "raylet.out" in out, out[-3000:]
+    assert "Ray's worker processes did not start within 10 s" in out and "raylet.out" in out, out[-3000:]
     assert "Traceback" not in out
     assert left_running(seen) == []
