@@ -4,6 +4,7 @@ source's commit; its datasets, queued metrics and system metrics."""
 import getpass
 import json
 import subprocess
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
@@ -217,11 +218,13 @@ def test_an_unreachable_tracking_server_is_named_in_seconds_not_minutes(tmp_path
 @pytest.mark.parametrize("layout", [
     # extended: a training run loses a server on SQLite in the test command (tests/faults, the MLflow outage)
     pytest.param("sqlite", marks=pytest.mark.extended), "postgres+s3"])
-def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, layout):
+def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, layout, monkeypatch):
     """The server dies mid-run: logging returns at once, pictures are skipped with a warning,
-    metrics wait in the buffer; it comes back: every metric is there exactly once. Down again at
-    the end: what is unsent stays in the spill file, named. On a server with its runs in SQLite
-    and artifacts on its disk, and on one as teams run it (PostgreSQL, S3)."""
+    metrics wait in the buffer; the run ends while it is away and it comes back: every metric is
+    there exactly once, sent within seconds, not when the sender's backoff (30 s here) runs out. A
+    later logger of the run loses the server at its end: what is unsent stays in the spill file,
+    named. On a server with its runs in SQLite and artifacts on its disk, and on one as teams run
+    it (PostgreSQL, S3)."""
     from conftest import start_mlflow_server, unused_port
 
     port = unused_port()
@@ -229,7 +232,8 @@ def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, l
     store = request.getfixturevalue("team_mlflow")(tmp_path) if layout == "postgres+s3" else {}
     server = start_mlflow_server(tmp_path, port, **store)
     client, run_id = new_run(uri)
-    run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=5)
+    monkeypatch.setattr(tracking.RunLogger, "RETRY_S", (30,))  # as it is after a few failed attempts
+    run = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=60)
     for step in range(1, 11):
         run.log_metrics({"train/loss": 1 / step}, step)
     assert run.flush(timeout=60)
@@ -248,20 +252,24 @@ def test_training_logging_survives_an_mlflow_outage(tmp_path, caplog, request, l
     assert time.monotonic() - started < 60
     assert "MLflow cannot be reached" in caplog.text and "artifact p.png not logged" in caplog.text
 
+    closing = threading.Thread(target=run.close)  # the run's end, waiting for its metrics
+    closing.start()
     server = start_mlflow_server(tmp_path, port, **store)  # same store: the run is still there
-    deadline = time.time() + 90
-    while not run.flush(timeout=5):
-        assert time.time() < deadline, "the buffered metrics were not sent after the server came back"
+    back = time.monotonic()
+    closing.join(timeout=60)
+    assert time.monotonic() - back < 5  # the sender's next retry was 30 s away
     history = client.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, 31))  # each step once
+    assert not run.spill_file.exists()
 
+    last = tracking.RunLogger(uri, run_id, tolerate_outage=True, spill_dir=tmp_path, close_timeout=5)
     server.terminate()
     server.wait(timeout=30)
     for step in range(31, 36):
-        run.log_metrics({"train/loss": 1 / step}, step)
-    run.close()
-    spilled = [json.loads(line) for line in run.spill_file.read_text().splitlines()]
-    assert [m[3] for m in spilled] == list(range(31, 36)) and str(run.spill_file) in caplog.text
+        last.log_metrics({"train/loss": 1 / step}, step)
+    last.close()
+    spilled = [json.loads(line) for line in last.spill_file.read_text().splitlines()]
+    assert [m[3] for m in spilled] == list(range(31, 36)) and str(last.spill_file) in caplog.text
 
 
 @pytest.mark.slow

@@ -136,13 +136,16 @@ class RunLogger:
         return drained
 
     def close(self) -> None:
-        """Stop the system-metrics monitor, send what is buffered (up to ``close_timeout``) and
-        stop the sender; what could not be sent stays in :attr:`spill_file`, named in a warning."""
+        """Stop the system-metrics monitor, send what is buffered (up to ``close_timeout``,
+        retrying each second: the run's end waits on it, not the outage's backoff) and stop the
+        sender; what could not be sent stays in :attr:`spill_file`, named in a warning."""
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
-        self._wake.set()
-        self._drained.wait(self.close_timeout)
+        deadline = time.monotonic() + self.close_timeout
+        while not self._drained.is_set() and (left := deadline - time.monotonic()) > 0:
+            self._wake.set()
+            self._drained.wait(min(left, 1.0))
         self._stop.set()
         self._wake.set()
         self._sender.join(timeout=30)
