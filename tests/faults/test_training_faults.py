@@ -81,8 +81,8 @@ def test_killed_worker_killed_driver_and_a_deleted_checkpoint_lose_no_finished_w
     run_dir, hold = tmp_path / "ray" / "faults", tmp_path / "hold"
     hold.touch()  # the run waits at epoch 4's first step while it exists: the driver is killed there, not later
     args = e2e_overrides(tiny_dataset, tmp_path, "ray.run_name=faults", "train.epochs=4", "data.test_split=null",
-                         "ray.max_failures=1", "ray.checkpoints_kept=3", "loss.base=cos_hinge_held", f"loss.base.run_dir={run_dir}",
-                         f"loss.base.hold_file={hold}", "loss.base.hold_from_epoch=3")
+                         "ray.max_failures=1", "ray.checkpoints_kept=3", "loss.base=cos_hinge_held",
+                         f"loss.base.run_dir={run_dir}", f"loss.base.hold_file={hold}", "loss.base.hold_from_epoch=3")
     first_log = tmp_path / "first.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONUNBUFFERED": "1"}  # SIGKILL ahead
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [env.get("PYTHONPATH")])])  # the toy losses
