@@ -107,8 +107,8 @@ def faiss_recall(queries, keys, query_labels, key_labels, ks=(1, 5, 10)) -> dict
 
 
 def blocked_matmul(queries, keys) -> dict[str, float]:
-    """Blocked's score blocks alone: its own ``_score_block`` (the same matrix products into the
-    same reused buffer) at ``blocked_retrieval_metrics``'s default block sizes, with no ranking or
+    """Blocked's score blocks alone: its own ``_score_block`` (the same matrix products, into the
+    same buffers) at ``blocked_retrieval_metrics``'s default block sizes, with no ranking or
     counting — the part of its time no change to its bookkeeping removes. No metrics."""
     defaults = inspect.signature(blocked_retrieval_metrics).parameters
     query_block, key_block = defaults["query_block"].default, defaults["key_block"].default

@@ -1,4 +1,4 @@
-"""pairsim.compat, the one boundary with Ray's, DeepSpeed's and MLflow's internals: each shim
+"""pairsim.compat, the one boundary with Ray's, DeepSpeed's, MLflow's and torch's internals: each shim
 against the installed packages, and the versions each was tested on. DeepSpeed's Muon import and
 its optimizers' master weights are tested through the engine (``tests/test_deepspeed_config.py``,
 ``tests/test_temperature.py``)."""
@@ -19,7 +19,7 @@ from pairsim.signals import JobStopped
 from pairsim.train import checkpoints
 
 
-@pytest.mark.parametrize("shim", [compat.ray, compat.deepspeed, compat.mlflow], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("shim", [compat.ray, compat.deepspeed, compat.mlflow, compat.torch], ids=lambda m: m.__name__)
 def test_each_shims_tested_range_parses_and_holds_the_installed_version(shim):
     requirement = Requirement(shim.TESTED)
     assert requirement.name == shim.__name__.rsplit(".", 1)[1] and shim.TESTED in compat.TESTED_RANGES
@@ -29,7 +29,7 @@ def test_each_shims_tested_range_parses_and_holds_the_installed_version(shim):
 def test_the_version_report_names_each_distribution_its_version_and_range(monkeypatch):
     assert compat.version_report() == [
         compat.VersionCheck(name, metadata.version(name), tested, True)
-        for name, tested in zip(("ray", "deepspeed", "mlflow"), compat.TESTED_RANGES)]
+        for name, tested in zip(("ray", "deepspeed", "mlflow", "torch"), compat.TESTED_RANGES)]
     monkeypatch.setattr(compat, "TESTED_RANGES", ("ray<2", "pairsim-no-such-distribution>=1"))
     assert compat.version_report() == [compat.VersionCheck("ray", metadata.version("ray"), "ray<2", False),
                                        compat.VersionCheck("pairsim-no-such-distribution", None,

@@ -87,10 +87,10 @@ def test_compile_without_a_c_compiler_is_reported_blocking(monkeypatch, tmp_path
     assert not finding.blocking and str(tmp_path / "cc") in finding.detail
 
 
-def test_ray_deepspeed_and_mlflow_are_reported_against_their_tested_ranges(capsys, tmp_path):
+def test_ray_deepspeed_mlflow_and_torch_are_reported_against_their_tested_ranges(capsys, tmp_path):
     code, out = run_doctor(capsys, f"ray.storage_path={tmp_path / 'runs'}")
     assert code == 0, out
-    for name, tested in zip(("ray", "deepspeed", "mlflow"), compat.TESTED_RANGES):
+    for name, tested in zip(("ray", "deepspeed", "mlflow", "torch"), compat.TESTED_RANGES):
         line = next(line for line in out.splitlines() if line.split()[:2] == ["·", name])
         assert line.endswith(f"{metadata.version(name)}, within the tested range {tested}"), line
     assert "!" not in {line[0] for line in out.splitlines()}

@@ -199,6 +199,27 @@ def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch):
     assert called
 
 
+def test_keys_above_the_best_positive_are_counted_in_the_rows_that_can_have_one():
+    """A block's count reads only the rows with a group maximum above their threshold while
+    they are under half (a trained query block: most best positives rank first), every row
+    otherwise (an untrained block, below); both on a tied grid, with first ranks past D = 5,
+    give the float64 reference's metrics."""
+    g = torch.Generator().manual_seed(0)
+    queries = torch.randint(-2, 3, (128, 8), generator=g).float() / 2
+    near = queries[:64].repeat_interleave(5, 0) + torch.randint(-1, 2, (320, 8), generator=g).float() / 2
+    keys = torch.cat([near, torch.randint(-2, 3, (4096 - 320, 8), generator=g).float() / 2])
+    ql = torch.arange(128)
+    kl = torch.cat([torch.arange(64).repeat_interleave(5), torch.full((320,), -1), torch.arange(64, 128).repeat(5),
+                    torch.full((4096 - 960,), -1)])
+    sim = queries.double() @ keys.double().T
+    positives = ql[:, None] == kl[None, :]
+    trained, untrained = (reference_metrics(sim[half], positives[half], (1, 5)) for half in (slice(0, 64),
+                                                                                             slice(64, 128)))
+    assert trained["R@1"] > 50 and trained["R@5"] < 100 and untrained["median_rank"] > 100
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, (1, 5), query_block=64, key_block=2048) == \
+        pytest.approx(reference_metrics(sim, positives, (1, 5)), abs=1e-9)
+
+
 def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch):
     """With no positive pairs allowed (as with class labels in the thousands) no query block
     keeps a score block, and each query without a positive in its top D (structureless data, 5

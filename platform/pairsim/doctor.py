@@ -51,7 +51,7 @@ def software() -> list[Finding]:
 
 
 def tested_versions() -> list[Finding]:
-    """Ray's, DeepSpeed's and MLflow's installed version against the range :mod:`pairsim.compat`
+    """Ray's, DeepSpeed's, MLflow's and torch's installed version against the range :mod:`pairsim.compat`
     was tested on (:func:`pairsim.compat.version_report`); a warning outside it."""
     return [Finding(check.name, f"{check.installed}, within the tested range {check.tested}") if check.within else
             Finding(check.name, f"{check.installed or 'not installed'}, outside the tested range {check.tested}: "

@@ -1,11 +1,11 @@
-"""pairsim's one boundary with third-party internals: every use of Ray's, DeepSpeed's or MLflow's
-private modules, private names, internal files and internal environment variables is in
-:mod:`pairsim.compat.ray`, :mod:`pairsim.compat.deepspeed` or :mod:`pairsim.compat.mlflow`
-(``tests/test_architecture.py`` fails on one elsewhere). Each states the versions it was tested
-on (``TESTED``); :func:`version_report` compares them with what is installed, and ``pairsim
-doctor`` prints it.
+"""pairsim's one boundary with third-party internals: every use of Ray's, DeepSpeed's, MLflow's
+or torch's private modules, private names and ops, internal files and internal environment
+variables is in :mod:`pairsim.compat.ray`, :mod:`pairsim.compat.deepspeed`,
+:mod:`pairsim.compat.mlflow` or :mod:`pairsim.compat.torch` (``tests/test_architecture.py``
+fails on one elsewhere). Each states the versions it was tested on (``TESTED``);
+:func:`version_report` compares them with what is installed, and ``pairsim doctor`` prints it.
 
-Importing this package imports none of the three: ``import pairsim`` stays light.
+Importing this package imports none of the four: ``import pairsim`` stays light.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from importlib import metadata
 from typing import NamedTuple
 
-from pairsim.compat import deepspeed, mlflow, ray
+from pairsim.compat import deepspeed, mlflow, ray, torch
 
-TESTED_RANGES = (ray.TESTED, deepspeed.TESTED, mlflow.TESTED)
+TESTED_RANGES = (ray.TESTED, deepspeed.TESTED, mlflow.TESTED, torch.TESTED)
 """The versions each shim was tested on, as PEP 440 requirements (``ray>=2.60,<2.61``)."""
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pairsim import compat
+
 Metrics = dict[str, float]
 
 TOP_DEPTH_BUDGET = 1 << 22
@@ -126,26 +128,35 @@ def _ranked(scores: torch.Tensor, indices: torch.Tensor, depth: int) -> tuple[to
     return torch.gather(scores, 1, order), torch.gather(indices, 1, order)
 
 
-def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_maxima(scores: torch.Tensor) -> torch.Tensor | None:
+    """Each row's maximum over each group of :data:`TOP_GROUP` consecutive columns, or None
+    where the width is no multiple of it."""
+    n_rows, width = scores.shape
+    return None if width % TOP_GROUP else scores.view(n_rows, width // TOP_GROUP, TOP_GROUP).amax(2)
+
+
+def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor,
+                      maxima: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every column of a score block that can enter its row's running top-``depth``, whose
     ``depth``-th score so far is ``floor`` (−inf while it holds fewer): (scores, columns), at most
     ``depth`` per row, −inf and column ``width`` where a row has fewer.
 
-    Of each row's groups of :data:`TOP_GROUP` consecutive columns only those whose maximum
-    reaches both the floor and the row's ``depth``-th largest group maximum can hold such a
-    column (any other lies below ``depth`` others: those in the top so far, or one in each of
-    those groups), so the exact top is taken over those groups alone — a few per row once the
-    floor has risen."""
+    Of each row's groups (``maxima``: :func:`_group_maxima`) only those whose maximum reaches
+    both the floor and the row's ``depth``-th largest group maximum can hold such a column (any
+    other lies below ``depth`` others: those in the top so far, or one in each of those groups),
+    so the exact top is taken over those groups alone — a few per row once the floor has risen.
+    Where no row has more than ``depth`` groups reaching the floor, those are the groups."""
     n_rows, width = scores.shape
-    if width % TOP_GROUP or 4 * depth * TOP_GROUP > width:
+    if maxima is None or 4 * depth * TOP_GROUP > width:
         return _top_by_score(scores, depth)
-    groups = scores.view(n_rows, width // TOP_GROUP, TOP_GROUP)
-    maxima = groups.amax(2)
     n_groups = maxima.shape[1]
-    chosen = maxima >= torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)[:, None]
+    chosen = maxima >= floor[:, None]
+    if int(chosen.sum(1).max()) > depth:
+        chosen = maxima >= torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)[:, None]
     n_chosen = int(chosen.sum(1).max())  # ≤ depth, more only where group maxima tie at the cut
     ids = torch.where(chosen, torch.arange(n_groups), n_groups).sort(1).values[:, :n_chosen]  # ascending, padding last
     padding = (ids == n_groups)[:, :, None]
+    groups = scores.view(n_rows, n_groups, TOP_GROUP)
     candidates = torch.gather(groups, 1, ids.clamp(max=n_groups - 1)[:, :, None].expand(-1, -1, TOP_GROUP))
     candidates = candidates.masked_fill(padding, -torch.inf).reshape(n_rows, -1)
     if candidates.shape[1] <= depth:
@@ -158,10 +169,11 @@ def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor) -> 
 
 def _score_block(queries: torch.Tensor, keys: torch.Tensor, start: int, width: int,
                  self_keys: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """Scores against keys[start:start+width], computed into ``out``'s memory (one cache-sized
-    buffer reused block after block), with each query's own key at −inf."""
-    scores = out.view(-1)[:len(queries) * width].view(len(queries), width)
-    torch.mm(queries, keys[start:start + width].T, out=scores)
+    """Scores against keys[start:start+width] (:func:`pairsim.compat.torch.inner_products`), with
+    each query's own key at −inf; computed into ``out``'s memory (one cache-sized buffer reused
+    block after block) where the product writes into a given buffer."""
+    scores = compat.torch.inner_products(queries, keys[start:start + width],
+                                         out.view(-1)[:len(queries) * width].view(len(queries), width))
     if self_keys is not None:
         local = self_keys - start
         rows = ((local >= 0) & (local < width)).nonzero().squeeze(1)
@@ -184,19 +196,22 @@ def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, ke
     above = torch.zeros(len(queries), dtype=torch.long)
     for start in range(0, len(keys), key_block):
         scores = _score_block(queries, keys, start, min(key_block, len(keys) - start), self_keys, buffer)
-        above += _count_above(scores, start, best_score, best_index)
+        above += _count_above(scores, start, best_score, best_index, _group_maxima(scores))
     return above + 1
 
 
-def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, best_index: torch.Tensor) -> torch.Tensor:
+def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, best_index: torch.Tensor,
+                 maxima: torch.Tensor | None) -> torch.Tensor:
     """Per row, the keys of this block (keys ``start`` on) ranked above the row's best positive
     (``best_score`` at ``best_index``): a higher score, or the same score at a lower index.
 
     One comparison per score: against the next float down in blocks wholly before the positive
     (score ≥ it), against its score after it; the positive's own block adds the ties before it.
-    ``scores`` is used up: a score exceeds the threshold exactly when their difference is > 0
-    (subnormals included), so the block becomes that difference's sign, clamped to {0, 1} and
-    summed — in place, cheaper on a cached block than a bool count."""
+    Only rows with a group maximum (``maxima``: :func:`_group_maxima`) above their threshold are
+    read, all of them where that is half the rows or more (an untrained model's). The rows read
+    are used up: a score exceeds the threshold exactly when their difference is > 0 (subnormals
+    included), so each becomes that difference's sign, clamped to {0, 1} and summed — in place,
+    cheaper on a cached block than a bool count."""
     n_rows, width = scores.shape
     above = torch.zeros(n_rows, dtype=torch.long)
     inside = ((best_index >= start) & (best_index < start + width)).nonzero().squeeze(1)
@@ -205,6 +220,11 @@ def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, bes
         above[inside] = ((scores[inside] == best_score[inside, None]) & before).sum(1)
     threshold = torch.where(best_index >= start + width, torch.nextafter(best_score, torch.tensor(-torch.inf)),
                             best_score)
+    if maxima is not None:
+        rows = (maxima > threshold[:, None]).any(1).nonzero().squeeze(1)  # no other row has a score above
+        if 2 * len(rows) < n_rows:
+            above[rows] += scores[rows].sub_(threshold[rows, None]).sign_().clamp_(min=0).sum(1).long()
+            return above
     return above + scores.sub_(threshold[:, None]).sign_().clamp_(min=0).sum(1).long()
 
 
@@ -268,13 +288,14 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
     for start in [*kept, *(start for start in widths if start not in kept)]:
         scores = kept.pop(start) if start in kept else _score_block(queries, keys, start, widths[start], self_keys,
                                                                       buffer)
-        values, columns = _block_candidates(scores, min(depth, scores.shape[1]), top_score[:, -1])
+        maxima = _group_maxima(scores)
+        values, columns = _block_candidates(scores, min(depth, scores.shape[1]), top_score[:, -1], maxima)
         if columns.shape[1]:
             indices = torch.where(columns < scores.shape[1], columns + start, n_keys)
             top_score, top_index = _ranked(torch.cat([top_score, values], 1), torch.cat([top_index, indices], 1),
                                            depth)
         if counting:  # else no query of the block has a known best positive (class labels): nothing to count
-            above += _count_above(scores, start, best_score, best_index)  # uses the scores up
+            above += _count_above(scores, start, best_score, best_index, maxima)  # uses the scores up
     hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
     first_rank = hits.int().argmax(1) + 1
     missing = (n_positive > 0) & ~hits.any(1)
@@ -294,8 +315,8 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
 
     Positives are keys whose label equals the query's (labels < 0 match nothing);
     ``self_keys[q]`` is the index of query q's own key, left out of its ranking (−1: none).
-    Each block of q queries is scored against ``key_block`` keys at a time into one reused,
-    cache-sized buffer (q × key_block floats, as faiss's exact search does). The key blocks that
+    Each block of q queries is scored against ``key_block`` keys at a time, a cache-sized block
+    of q × key_block floats (as faiss's exact search does). The key blocks that
     hold the block's positives are scored first, which gives every query its best positive;
     every block then updates a running top-D, D = max(max(ks), largest R), and counts the keys
     ranked above the best positive, so a query with no positive in its top D (an untrained
