@@ -43,6 +43,21 @@ def test_importing_pairsim_compat_imports_none_of_the_packages_it_wraps():
     assert done.stdout.split()[-1] == "[]", done.stdout
 
 
+def test_inner_products_through_onednn_and_through_blas_agree_with_float64(monkeypatch):
+    """Both of the shim's paths give queries @ keys.T to float32 rounding (keys a strided row
+    slice, as the blocked search passes them); the BLAS path (a GPU's, or a torch without oneDNN)
+    writes into the given buffer."""
+    g = torch.Generator().manual_seed(0)
+    queries, keys = torch.randn(37, 24, generator=g), torch.randn(300, 24, generator=g)[100:229]
+    expected = (queries.double() @ keys.double().T).float()
+    assert torch.backends.mkldnn.is_available()
+    torch.testing.assert_close(compat.torch.inner_products(queries, keys, torch.empty(37, 129)), expected)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    out = torch.empty(37, 129)
+    assert compat.torch.inner_products(queries, keys, out).data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, expected)
+
+
 def test_node_on_loopback_flips_rays_switch_within_the_block_only():
     from ray._private import ray_constants
 

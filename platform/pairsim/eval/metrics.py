@@ -151,9 +151,10 @@ def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor,
         return _top_by_score(scores, depth)
     n_groups = maxima.shape[1]
     chosen = maxima >= floor[:, None]
-    if int(chosen.sum(1).max()) > depth:
+    n_chosen = int(chosen.sum(1).max())
+    if n_chosen > depth:
         chosen = maxima >= torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)[:, None]
-    n_chosen = int(chosen.sum(1).max())  # ≤ depth, more only where group maxima tie at the cut
+        n_chosen = int(chosen.sum(1).max())  # ≤ depth, more only where group maxima tie at the cut
     ids = torch.where(chosen, torch.arange(n_groups), n_groups).sort(1).values[:, :n_chosen]  # ascending, padding last
     padding = (ids == n_groups)[:, :, None]
     groups = scores.view(n_rows, n_groups, TOP_GROUP)
