@@ -35,6 +35,7 @@ import importlib.util
 import inspect
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 
@@ -130,6 +131,12 @@ def measure(method: str, n: int, dim: int, classes: int | None, other: str | Non
     return result
 
 
+def _median_run(runs: list) -> tuple[float, float, dict]:
+    """(median seconds, median MB, metrics) of one method's runs, whose metrics must agree."""
+    assert all(run[2] == runs[0][2] for run in runs), "a method's runs gave different metrics"
+    return statistics.median(run[0] for run in runs), statistics.median(run[1] for run in runs), runs[0][2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000, 10_000, 30_000, 100_000])
@@ -144,6 +151,11 @@ def main() -> None:
                         help="trained: queries near their captions; untrained: unrelated (an early checkpoint), "
                              "R@1 near chance; one table each")
     parser.add_argument("--mmap-threshold", type=int, help="MALLOC_MMAP_THRESHOLD_ (bytes) of the measuring processes")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure each method this many times in turn at each size up to --repeat-max and report "
+                             "the median time and memory (single runs move by about ±10 %% on a shared machine)")
+    parser.add_argument("--repeat-max", type=int, default=30_000,
+                        help="largest N measured --repeats times; larger ones (minutes a run) once")
     results.add_results_argument(parser)
     args = parser.parse_args()
     if args.mmap_threshold is not None:
@@ -171,11 +183,14 @@ def regime_table(args: argparse.Namespace, untrained: bool) -> results.Table:
     table.columns.append("R@1")
     table.formats.append(".1f")
     for n in args.sizes:
-        blocked = measure("blocked", n, args.dim, args.classes, None, untrained)
-        dense = measure("dense", n, args.dim, args.classes, None, untrained) if n <= args.dense_max else None
-        other = measure("other", n, args.dim, args.classes, args.compare_with, untrained) if args.compare_with else None
-        faiss = measure("faiss", n, args.dim, args.classes, None, untrained) if args.faiss else None
-        matmul = measure("matmul", n, args.dim, args.classes, None, untrained) if args.faiss else None
+        methods = ["blocked", *(["dense"] if n <= args.dense_max else []), *(["other"] if args.compare_with else []),
+                   *(["faiss", "matmul"] if args.faiss else [])]
+        runs = {method: [] for method in methods}
+        for _ in range(args.repeats if n <= args.repeat_max else 1):
+            for method in methods:  # in turn, so a slow spell of the machine touches every method alike
+                runs[method].append(measure(method, n, args.dim, args.classes, args.compare_with, untrained))
+        blocked, dense, other, faiss, matmul = (_median_run(runs[m]) if m in runs else None
+                                                for m in ("blocked", "dense", "other", "faiss", "matmul"))
         for name, result in (("dense", dense), ("other", other), ("faiss", faiss)):
             for key, value in (result[2] if result else {}).items():
                 assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])
@@ -189,6 +204,9 @@ def regime_table(args: argparse.Namespace, untrained: bool) -> results.Table:
         table.add(*row, blocked[2]["R@1"])
         print(f"N = {n:,}: blocked {blocked[0]:.2f} s", flush=True)
     table.notes.append("Every method gave blocked's metrics at every size (checked).")
+    if args.repeats > 1:
+        table.notes.append(f"Times and memory: medians of {args.repeats} runs of each method, in turn, at N ≤ "
+                           f"{args.repeat_max:,}; one run above.")
     return table
 
 

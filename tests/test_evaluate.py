@@ -96,21 +96,41 @@ def test_dense_metrics_match_the_reference(seed):
         reference_metrics(sim.double(), positives, (1, 5, 10)), abs=1e-9)
 
 
-@pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 5)), (1, (1,), (3, 4)), (2, (1, 5), (64, 1000)),
-                                            (3, (2,), (1, 1))])
+@pytest.mark.parametrize("seed,ks,blocks", [(0, (1, 5, 10), (7, 64)), (1, (1,), (3, 1)), (2, (1, 5), (64, 1000)),
+                                            (3, (2,), (1, 128))])
 def test_blocked_equals_dense_with_ties_and_self_exclusion(seed, ks, blocks):
-    """Small blocks force many merges of running top-Ds; few labels make R large; ks=(1,) keeps
-    the top list short so most first positives come from the exact rank passes."""
-    queries, keys, ql, kl = tied_problem(seed, 37, 37, 4)
+    """Key blocks of 64 (1 is rounded up to 64) force merges of running top-Ds over five blocks,
+    the last padded; few labels make R large; ks=(1,) keeps the top list short so most first
+    positives come from the exact rank passes."""
+    queries, keys, ql, kl = tied_problem(seed, 37, 300, 4)
     sim = queries @ keys.T
     positives = (ql[:, None] == kl[None, :]) & (ql[:, None] >= 0)
     assert blocked_retrieval_metrics(queries, keys, ql, kl, ks, query_block=blocks[0], key_block=blocks[1]) == \
         pytest.approx(retrieval_metrics(sim, positives, ks), abs=1e-9)
     # the query's own key (query i is key i) left out: −inf and not a positive in the dense form
-    eye = torch.eye(37, dtype=torch.bool)
+    eye = torch.eye(37, 300, dtype=torch.bool)
     dense = retrieval_metrics(sim.masked_fill(eye, -math.inf), positives & ~eye, ks)
     assert blocked_retrieval_metrics(queries, keys, ql, kl, ks, self_keys=torch.arange(37),
                                      query_block=blocks[0], key_block=blocks[1]) == pytest.approx(dense, abs=1e-9)
+
+
+def test_rank_keys_order_pairs_as_the_ranking_does_and_give_them_back():
+    """One int64 per (score, key index): a larger key is a higher score, or the same score at a
+    lower index — −0.0 tying +0.0, subnormals, ±inf and the lowest float included — and the
+    score (−0.0 as +0.0) and index read back unchanged."""
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 4, tiny, -tiny, 1.0, -1.0, torch.finfo(torch.float32).max,
+                            torch.finfo(torch.float32).min, math.inf, -math.inf])
+    g = torch.Generator().manual_seed(0)
+    scores = torch.cat([special, special, torch.randn(200, generator=g), torch.randint(-3, 4, (200,), generator=g) / 2])
+    indices = torch.randperm(len(scores), generator=g) * 9_000_000  # up to 2³² − 1
+    keys = metrics_module._rank_keys(scores, indices)
+    expected = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), int(indices[i])))
+    assert torch.argsort(keys, descending=True).tolist() == expected
+    assert torch.equal(metrics_module._key_scores(keys), scores + 0.0)  # + 0.0: −0.0 becomes +0.0
+    assert torch.equal(metrics_module._key_indices(keys), indices)
+    assert metrics_module._NO_KEY < int(metrics_module._rank_keys(torch.tensor([-math.inf]),
+                                                                  torch.tensor([2**32 - 1])))
 
 
 def test_blocked_takes_string_free_numpy_labels_and_is_deterministic():

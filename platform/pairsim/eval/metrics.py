@@ -120,61 +120,85 @@ def _top_by_score(scores: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch
     return values, indices
 
 
-def _ranked(scores: torch.Tensor, indices: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``depth`` candidates in rank order: by score, ties to the lower key index."""
-    by_index = torch.argsort(indices, dim=1, stable=True)
-    scores, indices = torch.gather(scores, 1, by_index), torch.gather(indices, 1, by_index)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :depth]
-    return torch.gather(scores, 1, order), torch.gather(indices, 1, order)
+_LOW_BITS = 0xFFFFFFFF
+_NO_KEY = torch.iinfo(torch.int64).min  # below every :func:`_rank_keys` key: a row's padding
 
 
-def _group_maxima(scores: torch.Tensor) -> torch.Tensor | None:
-    """Each row's maximum over each group of :data:`TOP_GROUP` consecutive columns, or None
-    where the width is no multiple of it."""
-    n_rows, width = scores.shape
-    return None if width % TOP_GROUP else scores.view(n_rows, width // TOP_GROUP, TOP_GROUP).amax(2)
+def _rank_keys(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order (score, key index) pairs as the ranking does: a larger key ranks
+    higher — a higher score, or the same score and a lower index. The high 32 bits are the
+    score's bits as a signed magnitude (so −0.0 and +0.0 tie, as they compare), the low 32 bits
+    2³² − 1 − the index, so one integer ``topk`` ranks a row exactly."""
+    bits = scores.view(torch.int32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits) << 32 | (_LOW_BITS - indices)
 
 
-def _block_candidates(scores: torch.Tensor, depth: int, floor: torch.Tensor,
-                      maxima: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every column of a score block that can enter its row's running top-``depth``, whose
-    ``depth``-th score so far is ``floor`` (−inf while it holds fewer): (scores, columns), at most
-    ``depth`` per row, −inf and column ``width`` where a row has fewer.
+def _key_scores(keys: torch.Tensor) -> torch.Tensor:
+    """The scores :func:`_rank_keys` packed (−0.0 read back as +0.0)."""
+    high = (keys >> 32).int()
+    return torch.where(high < 0, -high | -0x80000000, high).view(torch.float32)
+
+
+def _key_indices(keys: torch.Tensor) -> torch.Tensor:
+    """The key indices :func:`_rank_keys` packed."""
+    return _LOW_BITS - (keys & _LOW_BITS)
+
+
+def _group_maxima(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's maximum over each group of :data:`TOP_GROUP` consecutive columns (a score
+    block's width is a multiple of it: :func:`_score_block`)."""
+    return scores.view(len(scores), -1, TOP_GROUP).amax(2)
+
+
+def _chosen_groups(scores: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, group ids, scores [n, :data:`TOP_GROUP`]) of the n groups that ``chosen`` (bool
+    [rows, groups]) marks, row by row."""
+    rows, ids = chosen.nonzero().unbind(1)
+    return rows, ids, scores.view(len(scores), -1, TOP_GROUP)[rows, ids]
+
+
+def _block_candidates(scores: torch.Tensor, start: int, depth: int, floor: torch.Tensor,
+                      maxima: torch.Tensor) -> torch.Tensor:
+    """:func:`_rank_keys` of every column of a score block (keys ``start`` on) that can enter its
+    row's running top-``depth``, whose ``depth``-th score so far is ``floor`` (−inf while it holds
+    fewer): [rows, m], :data:`_NO_KEY` where a row has fewer than m.
 
     Of each row's groups (``maxima``: :func:`_group_maxima`) only those whose maximum reaches
     both the floor and the row's ``depth``-th largest group maximum can hold such a column (any
     other lies below ``depth`` others: those in the top so far, or one in each of those groups),
     so the exact top is taken over those groups alone — a few per row once the floor has risen.
-    Where no row has more than ``depth`` groups reaching the floor, those are the groups."""
+    Where no row has more than ``depth`` groups reaching the floor, those are the groups; of
+    their columns only those reaching the cut are listed, packed row by row."""
     n_rows, width = scores.shape
-    if maxima is None or 4 * depth * TOP_GROUP > width:
-        return _top_by_score(scores, depth)
-    n_groups = maxima.shape[1]
-    chosen = maxima >= floor[:, None]
-    n_chosen = int(chosen.sum(1).max())
-    if n_chosen > depth:
-        chosen = maxima >= torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)[:, None]
-        n_chosen = int(chosen.sum(1).max())  # ≤ depth, more only where group maxima tie at the cut
-    ids = torch.where(chosen, torch.arange(n_groups), n_groups).sort(1).values[:, :n_chosen]  # ascending, padding last
-    padding = (ids == n_groups)[:, :, None]
-    groups = scores.view(n_rows, n_groups, TOP_GROUP)
-    candidates = torch.gather(groups, 1, ids.clamp(max=n_groups - 1)[:, :, None].expand(-1, -1, TOP_GROUP))
-    candidates = candidates.masked_fill(padding, -torch.inf).reshape(n_rows, -1)
-    if candidates.shape[1] <= depth:
-        values, positions = candidates, torch.arange(candidates.shape[1]).expand(n_rows, -1)
-    else:
-        values, positions = _top_by_score(candidates, depth)
-    group = torch.gather(ids, 1, positions // TOP_GROUP)
-    return values, torch.where(group < n_groups, group * TOP_GROUP + positions % TOP_GROUP, width)
+    if 4 * depth * TOP_GROUP > width:
+        values, columns = _top_by_score(scores, depth)
+        return _rank_keys(values, columns + start)
+    cut = floor
+    chosen = maxima >= cut[:, None]
+    if int(chosen.sum(1).max()) > depth:
+        cut = torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)
+        chosen = maxima >= cut[:, None]
+    group_rows, group_ids, group_scores = _chosen_groups(scores, chosen)
+    which, column = (group_scores >= cut[group_rows, None]).nonzero().unbind(1)
+    rows = group_rows[which]
+    keys = _rank_keys(group_scores[which, column], group_ids[which] * TOP_GROUP + column + start)
+    per_row = torch.bincount(rows, minlength=n_rows)
+    slot = torch.arange(len(rows)) - (per_row.cumsum(0) - per_row)[rows]  # rows come in order: nonzero's
+    padded = torch.full((n_rows, int(per_row.max()) if len(rows) else 0), _NO_KEY)
+    padded[rows, slot] = keys
+    return padded
 
 
 def _score_block(queries: torch.Tensor, keys: torch.Tensor, start: int, width: int,
                  self_keys: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """Scores against keys[start:start+width] (:func:`pairsim.compat.torch.inner_products`), with
-    each query's own key at −inf; computed into ``out``'s memory (one cache-sized buffer reused
-    block after block) where the product writes into a given buffer."""
+    each query's own key at −inf, padded with −inf columns to a multiple of :data:`TOP_GROUP`;
+    computed into ``out``'s memory (one cache-sized buffer reused block after block) where the
+    product writes into a given buffer and the width needs no padding."""
     scores = compat.torch.inner_products(queries, keys[start:start + width],
                                          out.view(-1)[:len(queries) * width].view(len(queries), width))
+    if width % TOP_GROUP:
+        scores = torch.nn.functional.pad(scores, (0, -width % TOP_GROUP), value=-torch.inf)
     if self_keys is not None:
         local = self_keys - start
         rows = ((local >= 0) & (local < width)).nonzero().squeeze(1)
@@ -189,8 +213,9 @@ def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, ke
     best_score = torch.full((len(queries),), -torch.inf)
     best_index = torch.full((len(queries),), len(keys), dtype=torch.long)
     for start in range(0, len(keys), key_block):
-        scores = _score_block(queries, keys, start, min(key_block, len(keys) - start), self_keys, buffer)
-        positive = (key_labels[None, start:start + key_block] == query_labels[:, None]) & (scores > -torch.inf)
+        block_labels = key_labels[start:start + key_block]
+        scores = _score_block(queries, keys, start, len(block_labels), self_keys, buffer)[:, :len(block_labels)]
+        positive = (block_labels[None, :] == query_labels[:, None]) & (scores > -torch.inf)
         value, index = torch.where(positive, scores, -torch.inf).max(1)
         better = positive.any(1) & (value > best_score)
         best_score, best_index = torch.where(better, value, best_score), torch.where(better, index + start, best_index)
@@ -202,31 +227,36 @@ def _first_positive_ranks(queries, keys, query_labels, key_labels, self_keys, ke
 
 
 def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, best_index: torch.Tensor,
-                 maxima: torch.Tensor | None) -> torch.Tensor:
+                 maxima: torch.Tensor) -> torch.Tensor:
     """Per row, the keys of this block (keys ``start`` on) ranked above the row's best positive
     (``best_score`` at ``best_index``): a higher score, or the same score at a lower index.
 
     One comparison per score: against the next float down in blocks wholly before the positive
-    (score ≥ it), against its score after it; the positive's own block adds the ties before it.
-    Only rows with a group maximum (``maxima``: :func:`_group_maxima`) above their threshold are
-    read, all of them where that is half the rows or more (an untrained model's). The rows read
-    are used up: a score exceeds the threshold exactly when their difference is > 0 (subnormals
-    included), so each becomes that difference's sign, clamped to {0, 1} and summed — in place,
-    cheaper on a cached block than a bool count."""
+    (score ≥ it), against its score after it; the positive's own block adds the ties before it,
+    listed from the groups up to the positive's that reach its score. Only rows with a group
+    maximum (``maxima``: :func:`_group_maxima`) above their threshold are read, all of them
+    where that is half the rows or more (an untrained model's). The rows read are used up: each
+    score becomes 1.0 where it exceeds the threshold, else 0.0, in place, and a row's sum is its
+    count (exact: at most 2²⁴ columns) — two passes over the block, cheaper than a bool count."""
     n_rows, width = scores.shape
+    position = best_index - start  # the best positive's column, where it lies in this block
+    inside = (position >= 0) & (position < width)
     above = torch.zeros(n_rows, dtype=torch.long)
-    inside = ((best_index >= start) & (best_index < start + width)).nonzero().squeeze(1)
-    if len(inside):
-        before = torch.arange(width)[None, :] < (best_index[inside] - start)[:, None]
-        above[inside] = ((scores[inside] == best_score[inside, None]) & before).sum(1)
+    if inside.any():
+        up_to_positive = torch.arange(maxima.shape[1]) <= (position // TOP_GROUP)[:, None]
+        rows, ids, group_scores = _chosen_groups(
+            scores, (maxima >= best_score[:, None]) & up_to_positive & inside[:, None])
+        which, column = (group_scores == best_score[rows, None]).nonzero().unbind(1)
+        tie_rows = rows[which]
+        above += torch.bincount(tie_rows[ids[which] * TOP_GROUP + column < position[tie_rows]], minlength=n_rows)
     threshold = torch.where(best_index >= start + width, torch.nextafter(best_score, torch.tensor(-torch.inf)),
                             best_score)
-    if maxima is not None:
-        rows = (maxima > threshold[:, None]).any(1).nonzero().squeeze(1)  # no other row has a score above
-        if 2 * len(rows) < n_rows:
-            above[rows] += scores[rows].sub_(threshold[rows, None]).sign_().clamp_(min=0).sum(1).long()
-            return above
-    return above + scores.sub_(threshold[:, None]).sign_().clamp_(min=0).sum(1).long()
+    rows = (maxima > threshold[:, None]).any(1).nonzero().squeeze(1)  # no other row has a score above
+    if 2 * len(rows) < n_rows:
+        read = scores[rows]
+        above[rows] += torch.gt(read, threshold[rows, None], out=read).sum(1).long()
+        return above
+    return above + torch.gt(scores, threshold[:, None], out=scores).sum(1).long()
 
 
 def _positive_pairs(query_labels: torch.Tensor, self_keys: torch.Tensor | None, keys_by_label: torch.Tensor,
@@ -282,21 +312,19 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
     known = (torch.bincount(rows, minlength=n_queries) == n_positive) & (n_positive > 0)
     best_score, best_index = torch.where(known, best_score, torch.inf), torch.where(known, best_index, n_keys)
     counting = bool(known.any())
-    top_score = torch.full((n_queries, depth), -torch.inf)
-    top_index = torch.full((n_queries, depth), n_keys, dtype=torch.long)
+    top = _rank_keys(torch.full((n_queries, depth), -torch.inf), torch.full((n_queries, depth), n_keys))
     above = torch.zeros(n_queries, dtype=torch.long)
     buffer = torch.empty(n_queries, min(key_block, n_keys))
     for start in [*kept, *(start for start in widths if start not in kept)]:
         scores = kept.pop(start) if start in kept else _score_block(queries, keys, start, widths[start], self_keys,
                                                                       buffer)
         maxima = _group_maxima(scores)
-        values, columns = _block_candidates(scores, min(depth, scores.shape[1]), top_score[:, -1], maxima)
-        if columns.shape[1]:
-            indices = torch.where(columns < scores.shape[1], columns + start, n_keys)
-            top_score, top_index = _ranked(torch.cat([top_score, values], 1), torch.cat([top_index, indices], 1),
-                                           depth)
+        candidates = _block_candidates(scores, start, min(depth, scores.shape[1]), _key_scores(top[:, -1]), maxima)
+        if candidates.shape[1]:
+            top = torch.cat([top, candidates], 1).topk(depth, 1).values  # sorted: best first
         if counting:  # else no query of the block has a known best positive (class labels): nothing to count
             above += _count_above(scores, start, best_score, best_index, maxima)  # uses the scores up
+    top_index = _key_indices(top)
     hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
     first_rank = hits.int().argmax(1) + 1
     missing = (n_positive > 0) & ~hits.any(1)
@@ -316,8 +344,9 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
 
     Positives are keys whose label equals the query's (labels < 0 match nothing);
     ``self_keys[q]`` is the index of query q's own key, left out of its ranking (−1: none).
-    Each block of q queries is scored against ``key_block`` keys at a time, a cache-sized block
-    of q × key_block floats (as faiss's exact search does). The key blocks that
+    Each block of q queries is scored against ``key_block`` keys at a time (rounded up to a
+    multiple of :data:`TOP_GROUP`), a cache-sized block of q × key_block floats (as faiss's
+    exact search does). The key blocks that
     hold the block's positives are scored first, which gives every query its best positive;
     every block then updates a running top-D, D = max(max(ks), largest R), and counts the keys
     ranked above the best positive, so a query with no positive in its top D (an untrained
@@ -345,6 +374,7 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         rankable = len(keys) - (0 if self_keys is None else 1)
         depth = max(1, min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable))
         query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
+        key_block = -(-key_block // TOP_GROUP) * TOP_GROUP  # so only the last block needs padding
         parts = []
         for start in range(0, len(queries), query_block):
             block = slice(start, start + query_block)
