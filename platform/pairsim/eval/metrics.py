@@ -37,7 +37,8 @@ index each (48 MB): with D large (class labels, R in the thousands)
 :func:`blocked_retrieval_metrics` takes fewer queries per block."""
 
 TOP_GROUP = 64
-"""Columns per group when a score block's top-D is narrowed to the groups that can hold it."""
+"""Columns per group when a score block's top-D, count and ties are narrowed to the groups that
+can hold them; score blocks are padded with −inf to a multiple of it (key blocks rounded up)."""
 
 POSITIVE_PAIR_BUDGET = 1 << 20
 """Most (query, key) positive pairs a query block reads its best positives from (16 MB of
