@@ -20,8 +20,10 @@ baseline, measured in the same run while it fits in memory); blocked is
 ``--compare-with FILE`` also measures the ``blocked_retrieval_metrics`` of another metrics
 module (e.g. an older commit's: the "other" columns); ``--faiss`` also faiss's exact
 ``IndexFlatIP`` top-10 on the same embeddings (index built and searched, R@k from its top-k;
-``÷faiss`` is blocked's time over faiss's; with it, blocked's matrix products alone, in the same
-blocks, the floor of its time). Each measurement runs in a fresh process;
+``÷faiss`` is blocked's time over faiss's; with it, blocked's float32 matrix products alone, in
+the same blocks, the floor of its unscreened time). Blocked screens with bfloat16 products where
+the CPU has them (``screen``); unscreened is the same call with ``screen=False``, measured up to
+``--unscreened-max``. Each measurement runs in a fresh process;
 peak memory is the process's peak RSS (VmHWM) minus its RSS with the inputs built, freed memory
 that glibc keeps in its heaps included unless ``--mmap-threshold`` fixes glibc's mmap threshold
 (large blocks then go back to the system when freed, so the peak counts live tensors). All must
@@ -89,6 +91,8 @@ def _measure(method: str, n: int, dim: int, classes: int | None, other: str | No
         metrics = faiss_recall(queries, keys, query_labels, key_labels)
     elif method == "matmul":
         metrics = blocked_matmul(queries, keys)
+    elif method == "unscreened":
+        metrics = blocked(queries, keys, query_labels, key_labels, screen=False)
     else:
         metrics = blocked(queries, keys, query_labels, key_labels)
     seconds = time.perf_counter() - start
@@ -141,6 +145,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 3000, 10_000, 30_000, 100_000])
     parser.add_argument("--dense-max", type=int, default=10_000, help="largest N measured densely")
+    parser.add_argument("--unscreened-max", type=int, default=30_000,
+                        help="largest N also measured unscreened (screen=False: float32 products throughout)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--classes", type=int, help="C class labels: R = 5N/C positives per query")
     parser.add_argument("--compare-with", metavar="FILE",
@@ -176,6 +182,8 @@ def regime_table(args: argparse.Namespace, untrained: bool) -> results.Table:
     if args.compare_with:
         table.columns += ["other s", "other MB"]
         table.formats += [".2f", ".0f"]
+    table.columns += ["unscreened s", "× unscreened time"]
+    table.formats += [".2f", ".2f"]
     if args.faiss:
         table.columns += ["faiss s", "faiss MB", "÷ faiss time", "÷ faiss memory", "blocked's matmul s",
                           "matmul ÷ faiss time"]
@@ -184,20 +192,22 @@ def regime_table(args: argparse.Namespace, untrained: bool) -> results.Table:
     table.formats.append(".1f")
     for n in args.sizes:
         methods = ["blocked", *(["dense"] if n <= args.dense_max else []), *(["other"] if args.compare_with else []),
-                   *(["faiss", "matmul"] if args.faiss else [])]
+                   *(["unscreened"] if n <= args.unscreened_max else []), *(["faiss", "matmul"] if args.faiss else [])]
         runs = {method: [] for method in methods}
         for _ in range(args.repeats if n <= args.repeat_max else 1):
             for method in methods:  # in turn, so a slow spell of the machine touches every method alike
                 runs[method].append(measure(method, n, args.dim, args.classes, args.compare_with, untrained))
-        blocked, dense, other, faiss, matmul = (_median_run(runs[m]) if m in runs else None
-                                                for m in ("blocked", "dense", "other", "faiss", "matmul"))
-        for name, result in (("dense", dense), ("other", other), ("faiss", faiss)):
+        blocked, dense, other, unscreened, faiss, matmul = (
+            _median_run(runs[m]) if m in runs else None for m in ("blocked", "dense", "other", "unscreened", "faiss",
+                                                                  "matmul"))
+        for name, result in (("dense", dense), ("other", other), ("unscreened", unscreened), ("faiss", faiss)):
             for key, value in (result[2] if result else {}).items():
                 assert abs(value - blocked[2][key]) < 1e-9, (name, n, key, value, blocked[2][key])
         row = [n, n * CAPTIONS, *(dense[:2] if dense else (None, None)), blocked[0], blocked[1],
                *((blocked[0] / dense[0], blocked[1] / max(dense[1], 1)) if dense else (None, None))]
         if args.compare_with:
             row += list(other[:2])
+        row += [unscreened[0], blocked[0] / unscreened[0]] if unscreened else [None, None]
         if args.faiss:
             row += [faiss[0], faiss[1], blocked[0] / faiss[0], blocked[1] / max(faiss[1], 1), matmul[0],
                     matmul[0] / faiss[0]]

@@ -58,6 +58,28 @@ def test_inner_products_through_onednn_and_through_blas_agree_with_float64(monke
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.skipif(not compat.torch.native_bf16_products(torch.device("cpu")),
+                    reason="this CPU has no native bfloat16 products")
+def test_bf16_inner_products_round_float32_sums_of_exact_products_once():
+    """The premise of pairsim's screened retrieval: each bfloat16 product is the float32 sum of
+    the exact products of its bfloat16 entries (within γ = d·2⁻²⁴ of Σ|q_i·k_i|), rounded to
+    bfloat16 once (within BF16_PRODUCT_ROUNDING); in a cache-sized block as in a small one, at
+    scales from 10⁻¹⁸ (products near float32's subnormals, flushed: within d·2⁻¹²⁰) to 10¹⁵. Not
+    on a GPU."""
+    g = torch.Generator().manual_seed(0)
+    u = compat.torch.BF16_PRODUCT_ROUNDING
+    for n_queries, n_keys, dim, scale in ((1024, 4096, 512, 1.0), (7, 33, 5, 1e15), (64, 300, 96, 1e-18)):
+        queries = (torch.randn(n_queries, dim, generator=g) * scale).bfloat16()
+        keys = (torch.randn(n_keys, dim, generator=g) * scale).bfloat16()
+        out = torch.empty(n_queries, n_keys)
+        assert compat.torch.bf16_inner_products(queries, keys, out).data_ptr() == out.data_ptr()
+        exact = queries.double() @ keys.double().T
+        summed = dim * 2.0**-24 * (queries.double().abs() @ keys.double().abs().T)
+        assert ((out.double() - exact).abs() <= u * (exact.abs() + summed) + summed + dim * 2.0**-120).all()
+    assert compat.torch.native_bf16_products(torch.device("cpu"))
+    assert not compat.torch.native_bf16_products(torch.device("cuda"))
+
+
 def test_node_on_loopback_flips_rays_switch_within_the_block_only():
     from ray._private import ray_constants
 

@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from conftest import new_experiment, step_images
+from pairsim import compat
 import pairsim.eval.metrics as metrics_module
 from pairsim.eval.metrics import blocked_retrieval_metrics, retrieval_metrics
 from pairsim.eval.inference import in_daemon_thread
@@ -238,6 +239,142 @@ def test_keys_above_the_best_positive_are_counted_in_the_rows_that_can_have_one(
     assert trained["R@1"] > 50 and trained["R@5"] < 100 and untrained["median_rank"] > 100
     assert blocked_retrieval_metrics(queries, keys, ql, kl, (1, 5), query_block=64, key_block=2048) == \
         pytest.approx(reference_metrics(sim, positives, (1, 5)), abs=1e-9)
+
+
+SCREENED = pytest.mark.skipif(not compat.torch.native_bf16_products(torch.device("cpu")),
+                              reason="this CPU has no native bfloat16 products: nothing is screened")
+
+
+def near_tied_problem(seed, n_images=120, dim=64, untrained=0.0):
+    """Unnormalised embeddings whose scores bfloat16 cannot tell apart: every image's caption
+    centre is one of 12 prototypes plus 10⁻³ of noise (so ~50 captions score within 10⁻³ of
+    each other), scaled by 0.1–10, 5 captions each; images are their centre plus noise, or (a
+    fraction ``untrained``) unrelated random vectors."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(12, dim, generator=g)
+    centres = prototypes[torch.randint(0, 12, (n_images,), generator=g)] + 1e-3 * torch.randn(n_images, dim, generator=g)
+    captions = centres.repeat_interleave(5, 0) + 1e-3 * torch.randn(5 * n_images, dim, generator=g)
+    captions *= 10 ** (2 * torch.rand(5 * n_images, 1, generator=g) - 1)
+    images = centres + 0.3 * torch.randn(n_images, dim, generator=g)
+    random = torch.rand(n_images, generator=g) < untrained
+    images[random] = torch.randn(int(random.sum()), dim, generator=g)
+    return images, captions, torch.arange(n_images), torch.arange(n_images).repeat_interleave(5)
+
+
+def structureless_problem(seed, n_images=100, dim=256):
+    """Random embeddings, 5 captions per image: every score near 0 against norms of 16, where a
+    bfloat16 product's error (its inputs' rounding) is about the gap between neighbouring ranks."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n_images, dim, generator=g), torch.randn(5 * n_images, dim, generator=g) * 4,
+            torch.arange(n_images), torch.arange(n_images).repeat_interleave(5))
+
+
+@SCREENED
+@pytest.mark.parametrize("problem", [lambda: near_tied_problem(0), lambda: near_tied_problem(1, untrained=0.3),
+                                     lambda: near_tied_problem(2, untrained=1.0), lambda: structureless_problem(3)],
+                         ids=["trained", "partly untrained", "untrained", "structureless"])
+def test_screened_metrics_are_exact_where_bfloat16_cannot_tell_keys_apart(problem, monkeypatch):
+    """With one query block, every query is screened (bfloat16 products, top D rescored,
+    first ranks past D as ranges): the metrics are the float64 reference's and the unscreened
+    path's — and with the median rank past D its ranges were resolved by exact passes."""
+    queries, keys, ql, kl = problem()
+    reference = reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10))
+    screened, resolved = [], []
+    for name, calls in (("_screened_block_values", screened), ("_query_block_values", resolved)):
+        original = getattr(metrics_module, name)
+        monkeypatch.setattr(metrics_module, name, lambda *a, original=original, calls=calls: calls.append(len(a[0]))
+                            or original(*a))
+    found = blocked_retrieval_metrics(queries, keys, ql, kl, query_block=len(queries), key_block=128)
+    assert found == pytest.approx(reference, abs=1e-9)
+    assert screened == [len(queries)] and (reference["median_rank"] > 10) == bool(resolved)
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, query_block=len(queries), key_block=128,
+                                     screen=False) == found
+
+
+@SCREENED
+@pytest.mark.parametrize("seed", range(8))
+def test_screened_top_d_holds_the_key_ranked_d_th_exactly(seed):
+    """20 keys score 0.011–0.03 apart in steps of 0.001·‖q‖ (far apart in float32) while their
+    other 127 dimensions, of norm 45, make bfloat16 products misorder them; 500 others score far
+    below. The one positive, exactly 10th, is in the screened top 10 at rank 10."""
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(128, generator=g)
+    unit = query / query.norm()
+    spread = torch.randn(20, 128, generator=g)
+    close = 4 * (spread - (spread @ unit)[:, None] * unit) + 1e-3 * torch.arange(20, 0, -1)[:, None] * unit
+    far = torch.randn(500, 128, generator=g) - 3 * unit
+    keys = torch.cat([far[:250], close, far[250:]])[torch.randperm(520, generator=g)]
+    labels = torch.full((520,), -1)
+    labels[torch.sort(keys.double() @ query.double(), descending=True).indices[9]] = 0
+    found = blocked_retrieval_metrics(query[None], keys, [0], labels, key_block=128)
+    assert (found["R@10"], found["R@5"], found["median_rank"]) == (100.0, 0.0, 10.0)
+
+
+@SCREENED
+def test_screened_queries_that_drop_a_possible_top_key_are_scored_exactly(monkeypatch):
+    """With no spare room in the running lists (D keys each) near-tied keys are dropped that
+    may still belong to a top D: those queries are scored exactly, and the metrics stay the
+    reference's."""
+    queries, keys, ql, kl = near_tied_problem(3, untrained=0.2)
+    replaced, with_exact = [], metrics_module._with_exact
+    monkeypatch.setattr(metrics_module, "SCREEN_SPARE", 0)
+    monkeypatch.setattr(metrics_module, "_with_exact", lambda *a: replaced.append(int(a[2].sum())) or with_exact(*a))
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, query_block=64, key_block=128) == pytest.approx(
+        reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10)), abs=1e-9)
+    assert sum(replaced) > 0
+
+
+@SCREENED
+def test_screening_stops_once_most_screened_queries_rank_their_positive_past_d(monkeypatch):
+    """Trained query blocks are screened; after an untrained block (most first ranks past D,
+    so ranges the median must resolve exactly) the rest go unscreened."""
+    trained = near_tied_problem(4)
+    untrained = near_tied_problem(5, untrained=1.0)
+    queries = torch.cat([trained[0][:64], untrained[0][:64], trained[0][64:]])
+    keys = torch.cat([trained[1], untrained[1]])
+    ql = torch.cat([torch.arange(64), torch.arange(120, 184), torch.arange(64, 120)])
+    kl = torch.cat([trained[3], untrained[3] + 120])
+    screened, original = [], metrics_module._screened_block_values
+    monkeypatch.setattr(metrics_module, "_screened_block_values", lambda *a: screened.append(len(a[0])) or original(*a))
+    assert blocked_retrieval_metrics(queries, keys, ql, kl, query_block=64, key_block=256) == pytest.approx(
+        reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10)), abs=1e-9)
+    assert screened == [64, 64]
+
+
+def test_screen_error_bounds_bfloat16_products_against_exact_scores():
+    """Every bfloat16 product o lies within ε + u/(1 − u)·|o| of the exact score (float64 of
+    the float32 embeddings), ε from :func:`_screen_error`, u the product's rounding — for
+    embeddings of norms from about 10 to 10⁵, and of about 10⁻¹⁹ (products near float32's
+    subnormals)."""
+    g = torch.Generator().manual_seed(0)
+    u = compat.torch.BF16_PRODUCT_ROUNDING
+    for scale in (1.0, 1e3, 1e-20):
+        queries = torch.randn(64, 96, generator=g) * scale * 10 ** torch.rand(64, 1, generator=g)
+        keys = torch.randn(500, 96, generator=g) * scale * 10 ** torch.rand(500, 1, generator=g)
+        rounded = queries.bfloat16()
+        error = metrics_module._screen_error(queries, rounded.float(), metrics_module._key_norms(keys, 128))
+        screened = compat.torch.bf16_inner_products(rounded, keys.bfloat16(), torch.empty(64, 500)).double()
+        exact = queries.double() @ keys.double().T
+        assert ((exact - screened).abs() <= error[:, None] + u / (1 - u) * screened.abs()).all()
+        if scale >= 1:  # and tight (subnormal products are bounded absolutely)
+            assert float(error.max()) < 0.01 * float(queries.norm(dim=1).max() * keys.norm(dim=1).max())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_median_of_ranges_is_resolved_exactly(seed):
+    """Ranks known as ranges [lowest, highest]: those made exact give the true median, whatever
+    value in its range each other rank has, and ranges that cannot move it stay ranges."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 60, (1,), generator=g))
+    true = torch.randint(1, 200, (n,), generator=g)
+    lowest = (true - torch.randint(0, 40, (n,), generator=g)).clamp(min=1)
+    highest = true + torch.randint(0, 40, (n,), generator=g)
+    exact_ones = torch.rand(n, generator=g) < 0.3
+    lowest[exact_ones], highest[exact_ones] = true[exact_ones], true[exact_ones]
+    asked = []
+    resolved = metrics_module._median_resolved(lowest, highest, lambda at: asked.append(at) or true[at])
+    assert float(np.median(resolved.numpy())) == float(np.median(true.numpy()))
+    assert all(not exact_ones[at].any() for at in asked)
 
 
 def test_first_ranks_take_two_passes_past_the_positive_pair_budget(monkeypatch):

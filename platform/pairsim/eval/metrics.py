@@ -21,8 +21,8 @@ in percent over the queries that have at least one positive:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -49,8 +49,20 @@ KEPT_SCORE_BLOCKS = 4
 """Most score blocks (query block × key block, 16 MB at the defaults) a query block keeps while
 it finds its best positives: the key blocks that hold them, scored first."""
 
+SCREEN_MAX_DEPTH = 32
+"""Deepest running top-D that :func:`blocked_retrieval_metrics` screens with bfloat16 products:
+a screened query's survivors are rescored one key at a time, which outweighs the halved
+products once D is in the hundreds (class labels)."""
 
-@dataclass(frozen=True)
+SCREEN_SPARE = 64
+"""Keys beyond D that a screened query keeps in its running list (:func:`_screened_block_values`):
+a query whose list drops one that might still belong to its top D is scored exactly instead."""
+
+GATHER_BUDGET = 1 << 22
+"""Most embedding entries :func:`_row_scores` gathers at a time (16 MB)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class QueryValues:
     """Per-query values of the queries with at least one positive (one tensor entry each), and
     how many queries had none: everything :func:`metrics_from_query_values` averages."""
@@ -158,46 +170,67 @@ def _chosen_groups(scores: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Te
     return rows, ids, scores.view(len(scores), -1, TOP_GROUP)[rows, ids]
 
 
-def _block_candidates(scores: torch.Tensor, start: int, depth: int, floor: torch.Tensor,
-                      maxima: torch.Tensor) -> torch.Tensor:
-    """:func:`_rank_keys` of every column of a score block (keys ``start`` on) that can enter its
-    row's running top-``depth``, whose ``depth``-th score so far is ``floor`` (−inf while it holds
-    fewer): [rows, m], :data:`_NO_KEY` where a row has fewer than m.
+def _candidate_columns(scores: torch.Tensor, depth: int, floor: torch.Tensor, maxima: torch.Tensor,
+                       lowered: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """(rows, columns), row by row, of the finite scores of a block that can enter their row's
+    running top-``depth``, whose ``depth``-th score so far is ``floor`` (−inf while it holds
+    fewer): those reaching the cut.
 
     Of each row's groups (``maxima``: :func:`_group_maxima`) only those whose maximum reaches
     both the floor and the row's ``depth``-th largest group maximum can hold such a column (any
     other lies below ``depth`` others: those in the top so far, or one in each of those groups),
-    so the exact top is taken over those groups alone — a few per row once the floor has risen.
-    Where no row has more than ``depth`` groups reaching the floor, those are the groups; of
-    their columns only those reaching the cut are listed, packed row by row."""
-    n_rows, width = scores.shape
-    if 4 * depth * TOP_GROUP > width:
-        values, columns = _top_by_score(scores, depth)
-        return _rank_keys(values, columns + start)
+    so the cut is the larger of the two — the floor alone while no row has more than ``depth``
+    groups reaching it. For screened scores (:func:`_screened_block_values`) ``lowered`` takes
+    a group cut down to the lowest screened score that can still reach it exactly, as ``floor``
+    is already."""
     cut = floor
     chosen = maxima >= cut[:, None]
     if int(chosen.sum(1).max()) > depth:
-        cut = torch.maximum(maxima.topk(depth, 1).values[:, -1], floor)
+        group_cut = maxima.topk(depth, 1).values[:, -1]
+        cut = torch.maximum(group_cut if lowered is None else lowered(group_cut), floor)
         chosen = maxima >= cut[:, None]
     group_rows, group_ids, group_scores = _chosen_groups(scores, chosen)
-    which, column = (group_scores >= cut[group_rows, None]).nonzero().unbind(1)
-    rows = group_rows[which]
-    keys = _rank_keys(group_scores[which, column], group_ids[which] * TOP_GROUP + column + start)
+    which, column = ((group_scores >= cut[group_rows, None]) & (group_scores > -torch.inf)).nonzero().unbind(1)
+    return group_rows[which], group_ids[which] * TOP_GROUP + column
+
+
+def _packed_by_row(rows: torch.Tensor, values: torch.Tensor, n_rows: int, fill: int = _NO_KEY) -> torch.Tensor:
+    """``values`` of ``rows`` (in order) packed into [n_rows, m], ``fill`` where a row has fewer
+    than m."""
     per_row = torch.bincount(rows, minlength=n_rows)
-    slot = torch.arange(len(rows)) - (per_row.cumsum(0) - per_row)[rows]  # rows come in order: nonzero's
-    padded = torch.full((n_rows, int(per_row.max()) if len(rows) else 0), _NO_KEY)
-    padded[rows, slot] = keys
+    slot = torch.arange(len(rows)) - (per_row.cumsum(0) - per_row)[rows]
+    padded = torch.full((n_rows, int(per_row.max()) if len(rows) else 0), fill)
+    padded[rows, slot] = values
     return padded
+
+
+def _block_candidates(scores: torch.Tensor, start: int, depth: int, floor: torch.Tensor,
+                      maxima: torch.Tensor) -> torch.Tensor:
+    """:func:`_rank_keys` of every column of a score block (keys ``start`` on) that can enter its
+    row's running top-``depth`` (:func:`_candidate_columns`): [rows, m], :data:`_NO_KEY` where a
+    row has fewer than m. A block narrower than 4·``depth`` groups takes its exact top
+    directly."""
+    if 4 * depth * TOP_GROUP > scores.shape[1]:
+        values, columns = _top_by_score(scores, depth)
+        return _rank_keys(values, columns + start)
+    rows, columns = _candidate_columns(scores, depth, floor, maxima)
+    return _packed_by_row(rows, _rank_keys(scores[rows, columns], columns + start), len(scores))
 
 
 def _score_block(queries: torch.Tensor, keys: torch.Tensor, start: int, width: int,
                  self_keys: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """Scores against keys[start:start+width] (:func:`pairsim.compat.torch.inner_products`), with
-    each query's own key at −inf, padded with −inf columns to a multiple of :data:`TOP_GROUP`;
-    computed into ``out``'s memory (one cache-sized buffer reused block after block) where the
-    product writes into a given buffer and the width needs no padding."""
-    scores = compat.torch.inner_products(queries, keys[start:start + width],
-                                         out.view(-1)[:len(queries) * width].view(len(queries), width))
+    """Scores against keys[start:start+width] (:func:`pairsim.compat.torch.inner_products`),
+    :func:`_masked`; computed into ``out``'s memory (one cache-sized buffer reused block after
+    block) where the product writes into a given buffer and the width needs no padding."""
+    return _masked(compat.torch.inner_products(queries, keys[start:start + width],
+                                               out.view(-1)[:len(queries) * width].view(len(queries), width)),
+                   start, self_keys)
+
+
+def _masked(scores: torch.Tensor, start: int, self_keys: torch.Tensor | None) -> torch.Tensor:
+    """A score block of the keys ``start`` on with each query's own key at −inf, padded with
+    −inf columns to a multiple of :data:`TOP_GROUP`."""
+    width = scores.shape[1]
     if width % TOP_GROUP:
         scores = torch.nn.functional.pad(scores, (0, -width % TOP_GROUP), value=-torch.inf)
     if self_keys is not None:
@@ -235,10 +268,10 @@ def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, bes
     One comparison per score: against the next float down in blocks wholly before the positive
     (score ≥ it), against its score after it; the positive's own block adds the ties before it,
     listed from the groups up to the positive's that reach its score. Only rows with a group
-    maximum (``maxima``: :func:`_group_maxima`) above their threshold are read, all of them
-    where that is half the rows or more (an untrained model's). The rows read are used up: each
-    score becomes 1.0 where it exceeds the threshold, else 0.0, in place, and a row's sum is its
-    count (exact: at most 2²⁴ columns) — two passes over the block, cheaper than a bool count."""
+    maximum (``maxima``: :func:`_group_maxima`) above their threshold are read
+    (:func:`_rows_read`). The rows read are used up: each score becomes 1.0 where it exceeds the
+    threshold, else 0.0, in place, and a row's sum is its count (exact: at most 2²⁴ columns) —
+    two passes over the block, cheaper than a bool count."""
     n_rows, width = scores.shape
     position = best_index - start  # the best positive's column, where it lies in this block
     inside = (position >= 0) & (position < width)
@@ -252,12 +285,17 @@ def _count_above(scores: torch.Tensor, start: int, best_score: torch.Tensor, bes
         above += torch.bincount(tie_rows[ids[which] * TOP_GROUP + column < position[tie_rows]], minlength=n_rows)
     threshold = torch.where(best_index >= start + width, torch.nextafter(best_score, torch.tensor(-torch.inf)),
                             best_score)
-    rows = (maxima > threshold[:, None]).any(1).nonzero().squeeze(1)  # no other row has a score above
-    if 2 * len(rows) < n_rows:
-        read = scores[rows]
-        above[rows] += torch.gt(read, threshold[rows, None], out=read).sum(1).long()
-        return above
-    return above + torch.gt(scores, threshold[:, None], out=scores).sum(1).long()
+    rows, read = _rows_read(scores, (maxima > threshold[:, None]).any(1))  # no other row has a score above
+    return above.index_add_(0, rows, torch.gt(read, threshold[rows, None], out=read).sum(1).long())
+
+
+def _rows_read(scores: torch.Tensor, reached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, their scores) of the rows a count must read (``reached``): a copy while they are
+    under half the rows, else every row and ``scores`` itself."""
+    rows = reached.nonzero().squeeze(1)
+    if 2 * len(rows) < len(scores):
+        return rows, scores[rows]
+    return torch.arange(len(scores)), scores
 
 
 def _positive_pairs(query_labels: torch.Tensor, self_keys: torch.Tensor | None, keys_by_label: torch.Tensor,
@@ -325,9 +363,7 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
             top = torch.cat([top, candidates], 1).topk(depth, 1).values  # sorted: best first
         if counting:  # else no query of the block has a known best positive (class labels): nothing to count
             above += _count_above(scores, start, best_score, best_index, maxima)  # uses the scores up
-    top_index = _key_indices(top)
-    hits = (key_labels[top_index] == query_labels[:, None]) & (query_labels[:, None] >= 0)
-    first_rank = hits.int().argmax(1) + 1
+    hits, first_rank = _ranked_hits(top, query_labels, key_labels)
     missing = (n_positive > 0) & ~hits.any(1)
     first_rank = torch.where(missing & known, above + 1, first_rank)
     unknown = (missing & ~known).nonzero().squeeze(1)
@@ -337,9 +373,236 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
     return query_values(hits, n_positive, first_rank)
 
 
+def _below(values: torch.Tensor) -> torch.Tensor:
+    """float32 values at or below the given (float64) ones."""
+    return torch.nextafter(values.float(), torch.tensor(-torch.inf))
+
+
+def _above(values: torch.Tensor) -> torch.Tensor:
+    """float32 values at or above the given (float64) ones."""
+    return torch.nextafter(values.float(), torch.tensor(torch.inf))
+
+
+def _row_scores(queries: torch.Tensor, keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Exact (float32) scores [n, m] of each query with the keys ``index`` [n, m] lists, first
+    in its row (−inf where an index lies past the keys): rows with about as many keys are
+    gathered together, at most :data:`GATHER_BUDGET` entries at a time into one buffer."""
+    n, m = index.shape
+    valid = index < len(keys)
+    index = torch.where(valid, index, 0)
+    scores = torch.empty(n, m)
+    listed = valid.sum(1)
+    order = torch.argsort(listed, descending=True)
+    buffer = torch.empty(min(GATHER_BUDGET, n * m * keys.shape[1]))
+    at = 0
+    while at < n and (width := int(listed[order[at]])):
+        rows = order[at:at + max(1, GATHER_BUDGET // (width * keys.shape[1]))]
+        gathered = torch.index_select(keys, 0, index[rows, :width].flatten(),
+                                      out=buffer[:len(rows) * width * keys.shape[1]].view(-1, keys.shape[1]))
+        scores[rows, :width] = torch.bmm(queries[rows, None, :], gathered.view(len(rows), width, -1).transpose(
+            1, 2)).squeeze(1)
+        at += len(rows)
+    return scores.masked_fill_(~valid, -torch.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyNorms:
+    """Bounds on the keys' largest norms: of a key, of its bfloat16 rounding error, and of its
+    bfloat16 rounding."""
+
+    norm: float
+    rounding_error: float
+    rounded: float
+
+
+def _key_norms(keys: torch.Tensor, key_block: int) -> _KeyNorms:
+    """:class:`_KeyNorms` (upper bounds: :func:`_norms`) of ``keys``, ``key_block`` rows at a
+    time."""
+    largest = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, len(keys), key_block):
+        block = keys[start:start + key_block]
+        rounded = block.bfloat16().float()
+        largest = torch.maximum(largest, torch.stack([_norms(x).max() for x in (block, block - rounded, rounded)]))
+    return _KeyNorms(*largest.tolist())
+
+
+def _norms(rows: torch.Tensor) -> torch.Tensor:
+    """Upper bounds (float64) on the Euclidean norms of float32 rows of d entries: float32's,
+    raised by d·2⁻²³ of it (its sums' and square root's rounding) and by 2⁻⁶⁰·√d (squares
+    under float32's range)."""
+    d = rows.shape[1]
+    return torch.linalg.vector_norm(rows, dim=1).double() * (1 + d * 2.0**-23) + 2.0**-60 * d**0.5
+
+
+def _screen_error(queries: torch.Tensor, rounded: torch.Tensor, key_norms: _KeyNorms) -> torch.Tensor:
+    """Per query, a bound (float64) over every key k on |s − a|: s the query's exact score with
+    k (as :func:`_row_scores` or the float32 product computes it), a the float32 sum of the
+    products of their bfloat16 roundings (``rounded``, as float32) that
+    :func:`pairsim.compat.torch.bf16_inner_products` rounds.
+
+    With q̃ = q + δq and k̃ = k + δk: |q·k − q̃·k̃| ≤ ‖δq‖‖k‖ + ‖q̃‖‖δk‖ (Cauchy–Schwarz); each
+    float32 sum of d products lies within γ = 2d·2⁻²⁴ times its terms' norms' product of the
+    exact one — a's, s's, and the threshold's s compared with it in another order (3‖q‖‖k‖);
+    d·2⁻¹²⁰(1 + ‖q̃‖ + ‖k̃‖) covers subnormals flushed to zero; 2⁻³⁰ of the total, the float64
+    arithmetic on the bounds."""
+    d = queries.shape[1]
+    gamma = 2 * d * 2.0**-24
+    norm, rounding_error, rounded_norm = (_norms(x) for x in (queries, queries - rounded, rounded))
+    tiny = d * 2.0**-120 * (1 + rounded_norm + key_norms.rounded)
+    return (rounding_error * key_norms.norm + rounded_norm * key_norms.rounding_error
+            + gamma * (rounded_norm * key_norms.rounded + 3 * norm * key_norms.norm) + tiny) * (1 + 2.0**-30)
+
+
+def _screened_cut(screened: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """Per row, the lowest screened score (float32) a key can have whose exact score reaches
+    that of every key screened at ``screened`` or above: each lies within ε + u·|a| ≤
+    ε + u/(1 − u)·|o| of its screened score o (u the product's rounding), so those score at
+    least L = o − u/(1 − u)·|o| − ε exactly, and a key screened at o' can reach L only if
+    o' + u/(1 − u)·|o'| ≥ L − ε."""
+    u = compat.torch.BF16_PRODUCT_ROUNDING
+    screened = screened.double()
+    reach = screened - u / (1 - u) * screened.abs() - 2 * error
+    return _below(torch.where(reach >= 0, reach * (1 - u), reach * (1 - u) / (1 - 2 * u)))
+
+
+def _count_bounds(scores: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor, maxima: torch.Tensor,
+                  spare: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(surely, possibly) per row: the keys of a screened block whose exact score is above the
+    row's best positive's — a screened score above ``upper`` — and those that may be — at least
+    ``lower``. Only rows with a group maximum (``maxima``) reaching ``lower`` are read
+    (:func:`_rows_read`); ``spare`` (at least the block's size) takes one comparison, the
+    scores read the other (used up)."""
+    rows, read = _rows_read(scores, (maxima >= lower[:, None]).any(1))
+    surely, possibly = (torch.zeros(len(scores), dtype=torch.long) for _ in range(2))
+    if len(rows):
+        at_least = torch.ge(read, lower[rows, None], out=spare.view(-1)[:read.numel()].view(read.shape))
+        possibly.index_add_(0, rows, at_least.sum(1).long())
+        surely.index_add_(0, rows, torch.gt(read, upper[rows, None], out=read).sum(1).long())
+    return surely, possibly
+
+
+def _screened_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                           key_labels: torch.Tensor, n_positive: torch.Tensor,
+                           pairs: tuple[torch.Tensor, torch.Tensor], self_keys: torch.Tensor | None, depth: int,
+                           key_block: int, key_norms: _KeyNorms) -> tuple[QueryValues, torch.Tensor, torch.Tensor]:
+    """(:class:`QueryValues`, upper bounds, overflowed) of one block of queries from bfloat16
+    products: exact but for the first ranks past the top D, which are lower bounds, with their
+    upper bounds beside; and the queries whose values cannot be trusted (overflowed).
+
+    A screened score o lies within ε + u/(1 − u)·|o| of the exact one (ε: :func:`_screen_error`,
+    the inputs' and the sums' rounding; u: the product's rounding to bfloat16, 2⁻⁸). So the D
+    keys screened at or above a query's D-th best screened score o_D all score at least
+    o_D − u/(1 − u)·|o_D| − ε exactly, and a key of its exact top D has a screened score at least
+    :func:`_screened_cut` of o_D. Each block merges the columns that can still reach that cut
+    (:func:`_candidate_columns`) into the query's running list of its D + :data:`SCREEN_SPARE`
+    best screened scores; at the end the keys of the list that reach the cut are rescored
+    exactly (:func:`_row_scores`) and ranked. A query that dropped from its list a key that
+    reaches the final cut is overflowed.
+
+    ``pairs`` lists every positive pair: each query's best positive is scored exactly (t), and
+    every block counts the keys surely above it (screened above t + M) and those possibly above
+    it (at least t − M), M = ε + u·(|t| + ε) — near 0, an untrained model's scores, mostly the
+    inputs' rounding: a query with no positive in its top D has its first rank between 1 + the
+    first count (and D + 1) and the second.
+    """
+    n_queries, n_keys = len(queries), len(keys)
+    counted = n_positive > 0
+    positives = _row_scores(queries, keys, _packed_by_row(*pairs, n_queries, fill=n_keys))
+    best = torch.where(counted, positives.amax(1) if positives.shape[1] else 0.0, 0.0).double()
+    rounded = queries.bfloat16()
+    error = _screen_error(queries, rounded.float(), key_norms)
+    margin = error + compat.torch.BF16_PRODUCT_ROUNDING * (best.abs() + error)
+    lower = torch.where(counted, _below(best - margin), torch.inf)
+    upper = torch.where(counted, _above(best + margin), torch.inf)
+    width = depth + SCREEN_SPARE
+    listed = _rank_keys(torch.full((n_queries, width), -torch.inf), torch.full((n_queries, width), n_keys))
+    dropped = torch.full((n_queries,), -torch.inf)  # the best screened score dropped from the list
+    surely, possibly = (torch.zeros(n_queries, dtype=torch.long) for _ in range(2))
+    buffer, spare = (torch.empty(n_queries, -(-min(key_block, n_keys) // TOP_GROUP) * TOP_GROUP) for _ in range(2))
+
+    def cut() -> torch.Tensor:
+        return _screened_cut(_key_scores(listed[:, depth - 1]), error)
+
+    for start in range(0, n_keys, key_block):
+        block = keys[start:start + key_block].bfloat16()
+        scores = _masked(compat.torch.bf16_inner_products(rounded, block, buffer.view(-1)[:n_queries * len(block)].view(
+            n_queries, len(block))), start, self_keys)
+        maxima = _group_maxima(scores)
+        candidate_rows, columns = _candidate_columns(scores, depth, cut(), maxima,
+                                                     lambda group_cut: _screened_cut(group_cut, error))
+        if len(candidate_rows):
+            merged = torch.cat([listed, _packed_by_row(candidate_rows, _rank_keys(
+                scores[candidate_rows, columns], columns + start), n_queries)], 1).topk(width + 1, 1).values
+            listed, next_best = merged[:, :width], merged[:, width]
+            dropped = torch.maximum(dropped, torch.where(next_best == _NO_KEY, -torch.inf, _key_scores(next_best)))
+        block_surely, block_possibly = _count_bounds(scores, lower, upper, maxima, spare)
+        surely += block_surely
+        possibly += block_possibly
+    final_cut = cut()
+    survivor_rows, slots = (_key_scores(listed) >= final_cut[:, None]).nonzero().unbind(1)
+    survivors = _packed_by_row(survivor_rows, _key_indices(listed[survivor_rows, slots]), n_queries, fill=n_keys)
+    top = _rank_keys(torch.cat([_row_scores(queries, keys, survivors), torch.full((n_queries, depth), -torch.inf)], 1),
+                     torch.cat([survivors, torch.full((n_queries, depth), n_keys)], 1)).topk(depth, 1).values
+    hits, first_rank = _ranked_hits(top, query_labels, key_labels)
+    missing = counted & ~hits.any(1)
+    lowest = torch.where(missing, torch.clamp(surely + 1, min=depth + 1), first_rank)
+    return (query_values(hits, n_positive, lowest), torch.where(missing, possibly, first_rank)[counted],
+            dropped >= final_cut)
+
+
+def _with_exact(values: QueryValues, highest: torch.Tensor, replaced: torch.Tensor,
+                exact: QueryValues) -> tuple[QueryValues, torch.Tensor]:
+    """``values`` and ``highest`` (first ranks' upper bounds) with the queries ``replaced``
+    marks (of those with a positive) taken from ``exact``, their exact values in order."""
+    first_rank, average_precision, r_precision = (getattr(values, field).clone() for field in (
+        "first_rank", "average_precision", "r_precision"))
+    first_rank[replaced], average_precision[replaced], r_precision[replaced] = (
+        exact.first_rank, exact.average_precision, exact.r_precision)
+    highest = highest.clone()
+    highest[replaced] = exact.first_rank
+    return QueryValues(first_rank, average_precision, r_precision, values.n_without_positive), highest
+
+
+def _median_resolved(lowest: torch.Tensor, highest: torch.Tensor,
+                     exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Ranks known to lie in [lowest, highest], with those that decide their median made exact
+    (``exact``: the exact ranks at the given positions), in two rounds: first the ranges that
+    hold the middle of the ranges' midpoints (the likely median), then every range that meets the
+    range of a middle order statistic, [k-th smallest lowest, k-th smallest highest]. Every other
+    range then lies wholly below or above it, so the middle ones are the same whichever value in
+    its range each of those takes (its lowest)."""
+    lowest, highest = lowest.clone(), highest.clone()
+    middle = sorted({(len(lowest) - 1) // 2, len(lowest) // 2}) if len(lowest) else []
+    midpoints = ((lowest + highest) / 2).sort().values
+    likely = torch.zeros(len(lowest), dtype=torch.bool)
+    for k in middle:
+        likely |= (lowest <= midpoints[k]) & (highest >= midpoints[k])
+    for chosen in (likely, None):
+        if chosen is None:
+            low, high = lowest.sort().values, highest.sort().values
+            chosen = torch.zeros(len(lowest), dtype=torch.bool)
+            for k in middle:
+                chosen |= (lowest <= high[k]) & (highest >= low[k])
+        positions = (chosen & (lowest < highest)).nonzero().squeeze(1)
+        if len(positions):
+            lowest[positions] = highest[positions] = exact(positions)
+    return lowest
+
+
+def _ranked_hits(top: torch.Tensor, query_labels: torch.Tensor,
+                 key_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits, first rank) of each query's running top-D (:func:`_rank_keys`, best first; an
+    index past the keys where it holds fewer): whether each rank holds a positive, and the
+    1-based rank of the first (1 where none does)."""
+    index = _key_indices(top)
+    label = key_labels[index.clamp(max=len(key_labels) - 1)]
+    hits = (index < len(key_labels)) & (label == query_labels[:, None]) & (query_labels[:, None] >= 0)
+    return hits, hits.int().argmax(1) + 1
+
+
 def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_labels, key_labels,
                               ks: Sequence[int] = (1, 5, 10), self_keys=None, query_block: int = 1024,
-                              key_block: int = 4096) -> Metrics:
+                              key_block: int = 4096, screen: bool = True) -> Metrics:
     """:func:`retrieval_metrics` of ``queries @ keys.T`` without the full [Q, K] matrix, in one
     pass over the keys.
 
@@ -354,8 +617,16 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     model's) has its exact first rank from the same scores, not from more passes. A query block
     is summarised (:func:`query_values`) before the next starts. With
     q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block·KEPT_SCORE_BLOCKS + D))
-    for the block plus O(Q) for the per-query values (3 numbers each), whatever Q·D. It runs on
+    for the block plus O(Q) for the per-query values (4 numbers each), whatever Q·D. It runs on
     the embeddings' device (a training worker's GPU); the per-query values come back to the host.
+
+    ``screen``: on a CPU that multiplies bfloat16 natively
+    (:func:`pairsim.compat.torch.native_bf16_products`), with D ≤ :data:`SCREEN_MAX_DEPTH` and
+    every positive pair of a query block listed, the block is scored by bfloat16 products
+    (about twice as fast) and screened (:func:`_screened_block_values`): its top D and best
+    positives are rescored exactly, first ranks past D come as ranges, and only the queries whose
+    range can move the median rank (:func:`_median_undecided`) take the exact pass. The metrics
+    are the same either way.
     """
     with torch.device(queries.device):  # every tensor made here on the embeddings' device
         queries, keys = queries.float(), keys.float()
@@ -376,10 +647,43 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
         depth = max(1, min(max(max(ks), int(n_positive.max()) if len(n_positive) else 0), rankable))
         query_block = max(1, min(query_block, TOP_DEPTH_BUDGET // max(depth, 1)))
         key_block = -(-key_block // TOP_GROUP) * TOP_GROUP  # so only the last block needs padding
-        parts = []
+        screened = screen and depth <= SCREEN_MAX_DEPTH and compat.torch.native_bf16_products(queries.device)
+        key_norms = _key_norms(keys, key_block) if screened else None
+
+        def exact(rows: torch.Tensor | slice) -> QueryValues:
+            return _query_block_values(queries[rows], keys, query_labels[rows], key_labels, keys_by_label,
+                                       sorted_labels, n_positive[rows], None if self_keys is None else self_keys[rows],
+                                       depth, key_block)
+
+        parts, highest, past_depth, ranked = [], [], 0, 0
         for start in range(0, len(queries), query_block):
             block = slice(start, start + query_block)
-            parts.append(_query_block_values(queries[block], keys, query_labels[block], key_labels, keys_by_label,
-                                             sorted_labels, n_positive[block],
-                                             None if self_keys is None else self_keys[block], depth, key_block).cpu())
-    return metrics_from_query_values(parts, ks)
+            pairs = _positive_pairs(query_labels[block], None if self_keys is None else self_keys[block],
+                                    keys_by_label, sorted_labels) if screened and 2 * past_depth <= ranked else None
+            if pairs is not None and len(pairs[0]) == int(n_positive[block].sum()):  # every positive pair listed
+                values, high, overflowed = _screened_block_values(
+                    queries[block], keys, query_labels[block], key_labels, n_positive[block], pairs,
+                    None if self_keys is None else self_keys[block], depth, key_block, key_norms)
+                if overflowed.any():
+                    values, high = _with_exact(values, high, overflowed[n_positive[block] > 0],
+                                               exact(overflowed.nonzero().squeeze(1) + start))
+                past_depth += int((values.first_rank > depth).sum())
+                ranked += len(values.first_rank)
+            else:
+                values = exact(block)
+                high = values.first_rank
+            parts.append(values.cpu())
+            highest.append(high.cpu())
+        values = QueryValues(*(torch.cat([getattr(part, field) for part in parts])
+                               for field in ("first_rank", "average_precision", "r_precision")),
+                             sum(part.n_without_positive for part in parts))
+        with_positive = (n_positive > 0).nonzero().squeeze(1)
+
+        def exact_ranks(positions: torch.Tensor) -> torch.Tensor:
+            rows = with_positive[positions.to(queries.device)]
+            return torch.cat([exact(rows[at:at + query_block]).first_rank.cpu()
+                              for at in range(0, len(rows), query_block)])
+
+        values = dataclasses.replace(values, first_rank=_median_resolved(values.first_rank, torch.cat(highest),
+                                                                         exact_ranks))
+    return metrics_from_query_values([values], ks)
