@@ -324,23 +324,6 @@ def test_screened_queries_that_drop_a_possible_top_key_are_scored_exactly(monkey
     assert sum(replaced) > 0
 
 
-@SCREENED
-def test_screening_stops_once_most_screened_queries_rank_their_positive_past_d(monkeypatch):
-    """Trained query blocks are screened; after an untrained block (most first ranks past D,
-    so ranges the median must resolve exactly) the rest go unscreened."""
-    trained = near_tied_problem(4)
-    untrained = near_tied_problem(5, untrained=1.0)
-    queries = torch.cat([trained[0][:64], untrained[0][:64], trained[0][64:]])
-    keys = torch.cat([trained[1], untrained[1]])
-    ql = torch.cat([torch.arange(64), torch.arange(120, 184), torch.arange(64, 120)])
-    kl = torch.cat([trained[3], untrained[3] + 120])
-    screened, original = [], metrics_module._screened_block_values
-    monkeypatch.setattr(metrics_module, "_screened_block_values", lambda *a: screened.append(len(a[0])) or original(*a))
-    assert blocked_retrieval_metrics(queries, keys, ql, kl, query_block=64, key_block=256) == pytest.approx(
-        reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10)), abs=1e-9)
-    assert screened == [64, 64]
-
-
 def test_screen_error_bounds_bfloat16_products_against_exact_scores():
     """Every bfloat16 product o lies within ε + u/(1 − u)·|o| of the exact score (float64 of
     the float32 embeddings), ε from :func:`_screen_error`, u the product's rounding — for

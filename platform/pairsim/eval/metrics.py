@@ -563,6 +563,20 @@ def _with_exact(values: QueryValues, highest: torch.Tensor, replaced: torch.Tens
     return QueryValues(first_rank, average_precision, r_precision, values.n_without_positive), highest
 
 
+def _by_key_block(blocks: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """Positions of queries in chunks of at most ``size`` whose first positives (in key blocks
+    ``blocks``) lie in fewer than :data:`KEPT_SCORE_BLOCKS` blocks, so that an exact pass keeps
+    the blocks that hold their positives (queries picked across the keys, as the median's are,
+    would otherwise take the two-pass fallback)."""
+    order = torch.argsort(blocks, stable=True)
+    ordered = blocks[order]
+    starts = torch.ones(len(order), dtype=torch.bool)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    group = (starts.cumsum(0) - 1) // max(1, KEPT_SCORE_BLOCKS - 1)
+    return [part for members in torch.split(order, torch.bincount(group).tolist() if len(order) else [])
+            for part in torch.split(members, size) if len(part)]
+
+
 def _median_resolved(lowest: torch.Tensor, highest: torch.Tensor,
                      exact: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """Ranks known to lie in [lowest, highest], with those that decide their median made exact
@@ -655,11 +669,11 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
                                        sorted_labels, n_positive[rows], None if self_keys is None else self_keys[rows],
                                        depth, key_block)
 
-        parts, highest, past_depth, ranked = [], [], 0, 0
+        parts, highest = [], []
         for start in range(0, len(queries), query_block):
             block = slice(start, start + query_block)
             pairs = _positive_pairs(query_labels[block], None if self_keys is None else self_keys[block],
-                                    keys_by_label, sorted_labels) if screened and 2 * past_depth <= ranked else None
+                                    keys_by_label, sorted_labels) if screened else None
             if pairs is not None and len(pairs[0]) == int(n_positive[block].sum()):  # every positive pair listed
                 values, high, overflowed = _screened_block_values(
                     queries[block], keys, query_labels[block], key_labels, n_positive[block], pairs,
@@ -667,8 +681,6 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
                 if overflowed.any():
                     values, high = _with_exact(values, high, overflowed[n_positive[block] > 0],
                                                exact(overflowed.nonzero().squeeze(1) + start))
-                past_depth += int((values.first_rank > depth).sum())
-                ranked += len(values.first_rank)
             else:
                 values = exact(block)
                 high = values.first_rank
@@ -681,8 +693,11 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
 
         def exact_ranks(positions: torch.Tensor) -> torch.Tensor:
             rows = with_positive[positions.to(queries.device)]
-            return torch.cat([exact(rows[at:at + query_block]).first_rank.cpu()
-                              for at in range(0, len(rows), query_block)])
+            ranks = torch.empty(len(rows), dtype=torch.long)
+            first_positive = keys_by_label[torch.searchsorted(sorted_labels, query_labels[rows])]
+            for chunk in _by_key_block(first_positive // key_block, query_block):
+                ranks[chunk.cpu()] = exact(rows[chunk]).first_rank.cpu()
+            return ranks
 
         values = dataclasses.replace(values, first_rank=_median_resolved(values.first_rank, torch.cat(highest),
                                                                          exact_ranks))
