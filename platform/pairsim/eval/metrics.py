@@ -50,9 +50,10 @@ KEPT_SCORE_BLOCKS = 4
 it finds its best positives: the key blocks that hold them, scored first."""
 
 SCREEN_MAX_DEPTH = 32
-"""Deepest running top-D that :func:`blocked_retrieval_metrics` screens with bfloat16 products:
-a screened query's survivors are rescored one key at a time, which outweighs the halved
-products once D is in the hundreds (class labels)."""
+"""Deepest running top-D that :func:`blocked_retrieval_metrics` screens with bfloat16 products
+(D = 10 for image–caption retrieval): a screened query's survivors, about D and those within
+the error bound of its D-th score, are rescored one key at a time, a cost that grows with D;
+class labels (D = R, in the hundreds) take the float32 path."""
 
 SCREEN_SPARE = 64
 """Keys beyond D that a screened query keeps in its running list (:func:`_screened_block_values`):
