@@ -294,9 +294,9 @@ def test_screened_metrics_are_exact_where_bfloat16_cannot_tell_keys_apart(proble
 @SCREENED
 @pytest.mark.parametrize("seed", range(8))
 def test_screened_top_d_holds_the_key_ranked_d_th_exactly(seed):
-    """20 keys score 0.011–0.03 apart in steps of 0.001·‖q‖ (far apart in float32) while their
-    other 127 dimensions, of norm 45, make bfloat16 products misorder them; 500 others score far
-    below. The one positive, exactly 10th, is in the screened top 10 at rank 10."""
+    """20 keys score 0.001·‖q‖ to 0.02·‖q‖, 0.001·‖q‖ apart (far apart in float32), while their
+    components across the query, of norm about 45, make bfloat16 products misorder them; 500
+    others score far below. The one positive, exactly 10th, is in the screened top 10 at rank 10."""
     g = torch.Generator().manual_seed(seed)
     query = torch.randn(128, generator=g)
     unit = query / query.norm()

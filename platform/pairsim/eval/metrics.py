@@ -588,19 +588,18 @@ def _median_resolved(lowest: torch.Tensor, highest: torch.Tensor,
     its range each of those takes (its lowest)."""
     lowest, highest = lowest.clone(), highest.clone()
     middle = sorted({(len(lowest) - 1) // 2, len(lowest) // 2}) if len(lowest) else []
-    midpoints = ((lowest + highest) / 2).sort().values
-    likely = torch.zeros(len(lowest), dtype=torch.bool)
-    for k in middle:
-        likely |= (lowest <= midpoints[k]) & (highest >= midpoints[k])
-    for chosen in (likely, None):
-        if chosen is None:
-            low, high = lowest.sort().values, highest.sort().values
-            chosen = torch.zeros(len(lowest), dtype=torch.bool)
-            for k in middle:
-                chosen |= (lowest <= high[k]) & (highest >= low[k])
-        positions = (chosen & (lowest < highest)).nonzero().squeeze(1)
+
+    def resolve(low: torch.Tensor, high: torch.Tensor) -> None:  # the ranges meeting [low[k], high[k]]
+        meeting = torch.zeros(len(lowest), dtype=torch.bool)
+        for k in middle:
+            meeting |= (lowest <= high[k]) & (highest >= low[k])
+        positions = (meeting & (lowest < highest)).nonzero().squeeze(1)
         if len(positions):
             lowest[positions] = highest[positions] = exact(positions)
+
+    midpoints = ((lowest + highest) / 2).sort().values
+    resolve(midpoints, midpoints)
+    resolve(lowest.sort().values, highest.sort().values)
     return lowest
 
 
@@ -640,7 +639,7 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     every positive pair of a query block listed, the block is scored by bfloat16 products
     (about twice as fast) and screened (:func:`_screened_block_values`): its top D and best
     positives are rescored exactly, first ranks past D come as ranges, and only the queries whose
-    range can move the median rank (:func:`_median_undecided`) take the exact pass. The metrics
+    range can move the median rank (:func:`_median_resolved`) take the exact pass. The metrics
     are the same either way.
     """
     with torch.device(queries.device):  # every tensor made here on the embeddings' device
