@@ -193,6 +193,30 @@ def test_exact_first_ranks_of_queries_without_a_positive_in_their_top_d(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
+def test_first_ranks_counted_without_a_top_are_the_references(seed):
+    """The median's exact ranks (no running top): on a tied grid with each query's own key left
+    out, with 5 positives in one key block (counted in one pass) and with class labels over key
+    blocks of 11 (positives outside the kept blocks: the two-pass fallback), each query's rank
+    is the float64 reference's."""
+    items, labels, self_keys = class_problem(seed, 120)
+    grid = torch.randint(-2, 3, (120, 4), generator=torch.Generator().manual_seed(seed)).float()
+    for queries, keys, ql, kl, key_block in ((grid[:24], grid, torch.arange(24), torch.arange(120) // 5, 16),
+                                             (items, items, labels, labels, 11)):
+        sorted_labels, keys_by_label = torch.sort(kl, stable=True)
+        own = self_keys[:len(queries)]
+        n_positive = ((ql[:, None] == kl[None, :]) & (ql[:, None] >= 0)).sum(1) - (
+            (own >= 0) & (kl[own.clamp(min=0)] == ql) & (ql >= 0)).long()
+        rows = (n_positive > 0).nonzero().squeeze(1)
+        own = own[rows]
+        found = metrics_module._exact_first_ranks(queries[rows], keys, ql[rows], kl, keys_by_label, sorted_labels,
+                                                  n_positive[rows], own, key_block)
+        sim = queries[rows].double() @ keys.double().T
+        expected = [reference_metrics(sim[i:i + 1], ql[rows][i:i + 1, None] == kl[None, :], (1,),
+                                      excluded=[int(own[i])])["median_rank"] for i in range(len(rows))]
+        assert found.tolist() == expected
+
+
+@pytest.mark.parametrize("seed", range(2))
 def test_narrowed_block_tops_keep_every_tie_at_the_cut(seed, monkeypatch):
     """Six key blocks of 2048 and D = 6 take the narrowed path (groups of TOP_GROUP columns
     whose maximum reaches the floor and the D-th group maximum); scores on a coarse grid tie by
@@ -280,7 +304,7 @@ def test_screened_metrics_are_exact_where_bfloat16_cannot_tell_keys_apart(proble
     queries, keys, ql, kl = problem()
     reference = reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10))
     screened, resolved = [], []
-    for name, calls in (("_screened_block_values", screened), ("_query_block_values", resolved)):
+    for name, calls in (("_screened_block_values", screened), ("_exact_first_ranks", resolved)):
         original = getattr(metrics_module, name)
         monkeypatch.setattr(metrics_module, name, lambda *a, original=original, calls=calls: calls.append(len(a[0]))
                             or original(*a))

@@ -319,22 +319,21 @@ def _positive_pairs(query_labels: torch.Tensor, self_keys: torch.Tensor | None, 
     return rows[~own], keys[~own]
 
 
-def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
-                        key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
-                        n_positive: torch.Tensor, self_keys: torch.Tensor | None, depth: int,
-                        key_block: int) -> QueryValues:
-    """:class:`QueryValues` of one block of queries in one pass over the keys.
+def _key_pass(queries: torch.Tensor, keys: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor],
+              n_positive: torch.Tensor, self_keys: torch.Tensor | None, depth: int,
+              key_block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top, above, known) of one block of queries in one pass over the keys: its running
+    top-``depth`` (:func:`_rank_keys`, best first; none for ``depth`` 0) and, for the queries
+    whose best positive is known, the keys ranked above it.
 
-    The key blocks that hold the queries' positive pairs are scored first and kept (at most
-    :data:`KEPT_SCORE_BLOCKS`): each query's best positive (score, then lowest index) is read
-    from them. Then every block, kept ones first, updates the running top-``depth`` and counts
-    the keys ranked above the best positive, so a query with no positive in its top D has its
-    exact first rank from the same scores. Queries with a positive outside the kept blocks
-    (class labels: rarely without one in their top D, as D ≥ R) get theirs from
-    :func:`_first_positive_ranks` when they need it."""
+    The key blocks that hold the queries' positive pairs (``pairs``: :func:`_positive_pairs`)
+    are scored first and kept (at most :data:`KEPT_SCORE_BLOCKS`): a query whose positives all
+    lie in them (known) has its best positive (score, then lowest index) read from them. Then
+    every block, kept ones first, updates the running top-``depth`` and counts the keys ranked
+    above each known best positive, so a query with no positive in its top D has its exact first
+    rank from the same scores."""
     n_queries, n_keys = len(queries), len(keys)
     widths = {start: min(key_block, n_keys - start) for start in range(0, n_keys, key_block)}
-    pairs = _positive_pairs(query_labels, self_keys, keys_by_label, sorted_labels)
     holding = (torch.unique(pairs[1] // key_block) * key_block).tolist()
     kept = {start: _score_block(queries, keys, start, widths[start], self_keys, torch.empty(n_queries, widths[start]))
             for start in holding[:KEPT_SCORE_BLOCKS]}
@@ -359,11 +358,24 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
         scores = kept.pop(start) if start in kept else _score_block(queries, keys, start, widths[start], self_keys,
                                                                       buffer)
         maxima = _group_maxima(scores)
-        candidates = _block_candidates(scores, start, min(depth, scores.shape[1]), _key_scores(top[:, -1]), maxima)
-        if candidates.shape[1]:
-            top = torch.cat([top, candidates], 1).topk(depth, 1).values  # sorted: best first
+        if depth:
+            candidates = _block_candidates(scores, start, min(depth, scores.shape[1]), _key_scores(top[:, -1]), maxima)
+            if candidates.shape[1]:
+                top = torch.cat([top, candidates], 1).topk(depth, 1).values  # sorted: best first
         if counting:  # else no query of the block has a known best positive (class labels): nothing to count
             above += _count_above(scores, start, best_score, best_index, maxima)  # uses the scores up
+    return top, above, known
+
+
+def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                        key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
+                        n_positive: torch.Tensor, self_keys: torch.Tensor | None, depth: int,
+                        key_block: int) -> QueryValues:
+    """:class:`QueryValues` of one block of queries in one pass over the keys (:func:`_key_pass`).
+    Queries with a positive outside the kept blocks (class labels: rarely without one in their
+    top D, as D ≥ R) get their first ranks from :func:`_first_positive_ranks` when they need it."""
+    top, above, known = _key_pass(queries, keys, _positive_pairs(query_labels, self_keys, keys_by_label, sorted_labels),
+                                  n_positive, self_keys, depth, key_block)
     hits, first_rank = _ranked_hits(top, query_labels, key_labels)
     missing = (n_positive > 0) & ~hits.any(1)
     first_rank = torch.where(missing & known, above + 1, first_rank)
@@ -372,6 +384,22 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
         first_rank[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
                                                     None if self_keys is None else self_keys[unknown], key_block)
     return query_values(hits, n_positive, first_rank)
+
+
+def _exact_first_ranks(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                       key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
+                       n_positive: torch.Tensor, self_keys: torch.Tensor | None, key_block: int) -> torch.Tensor:
+    """The exact (float32) first ranks of queries with a positive, counted in one pass over the
+    keys with no running top (:func:`_key_pass`); :func:`_first_positive_ranks` for those whose
+    positives lie outside the kept blocks."""
+    _, above, known = _key_pass(queries, keys, _positive_pairs(query_labels, self_keys, keys_by_label, sorted_labels),
+                                n_positive, self_keys, 0, key_block)
+    ranks = above + 1
+    unknown = (~known).nonzero().squeeze(1)
+    if len(unknown):
+        ranks[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
+                                               None if self_keys is None else self_keys[unknown], key_block)
+    return ranks
 
 
 def _below(values: torch.Tensor) -> torch.Tensor:
@@ -696,7 +724,10 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
             ranks = torch.empty(len(rows), dtype=torch.long)
             first_positive = keys_by_label[torch.searchsorted(sorted_labels, query_labels[rows])]
             for chunk in _by_key_block(first_positive // key_block, query_block):
-                ranks[chunk.cpu()] = exact(rows[chunk]).first_rank.cpu()
+                at = rows[chunk]
+                ranks[chunk.cpu()] = _exact_first_ranks(
+                    queries[at], keys, query_labels[at], key_labels, keys_by_label, sorted_labels, n_positive[at],
+                    None if self_keys is None else self_keys[at], key_block).cpu()
             return ranks
 
         values = dataclasses.replace(values, first_rank=_median_resolved(values.first_rank, torch.cat(highest),
