@@ -378,28 +378,34 @@ def _query_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels:
                                   n_positive, self_keys, depth, key_block)
     hits, first_rank = _ranked_hits(top, query_labels, key_labels)
     missing = (n_positive > 0) & ~hits.any(1)
-    first_rank = torch.where(missing & known, above + 1, first_rank)
-    unknown = (missing & ~known).nonzero().squeeze(1)
-    if len(unknown):
-        first_rank[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
-                                                    None if self_keys is None else self_keys[unknown], key_block)
-    return query_values(hits, n_positive, first_rank)
+    return query_values(hits, n_positive, _counted_first_ranks(first_rank, missing, above, known, queries, keys,
+                                                               query_labels, key_labels, self_keys, key_block))
 
 
 def _exact_first_ranks(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
                        key_labels: torch.Tensor, keys_by_label: torch.Tensor, sorted_labels: torch.Tensor,
                        n_positive: torch.Tensor, self_keys: torch.Tensor | None, key_block: int) -> torch.Tensor:
     """The exact (float32) first ranks of queries with a positive, counted in one pass over the
-    keys with no running top (:func:`_key_pass`); :func:`_first_positive_ranks` for those whose
-    positives lie outside the kept blocks."""
+    keys with no running top (:func:`_key_pass`, :func:`_counted_first_ranks`)."""
     _, above, known = _key_pass(queries, keys, _positive_pairs(query_labels, self_keys, keys_by_label, sorted_labels),
                                 n_positive, self_keys, 0, key_block)
-    ranks = above + 1
-    unknown = (~known).nonzero().squeeze(1)
+    return _counted_first_ranks(torch.empty_like(above), torch.ones_like(known), above, known, queries, keys,
+                                query_labels, key_labels, self_keys, key_block)
+
+
+def _counted_first_ranks(first_rank: torch.Tensor, needed: torch.Tensor, above: torch.Tensor, known: torch.Tensor,
+                         queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
+                         key_labels: torch.Tensor, self_keys: torch.Tensor | None, key_block: int) -> torch.Tensor:
+    """``first_rank`` with the queries ``needed`` marks given their exact first ranks (in place):
+    one past the keys :func:`_key_pass` counted above a known best positive, else from
+    :func:`_first_positive_ranks` (positives outside the kept blocks)."""
+    counted = needed & known
+    first_rank[counted] = above[counted] + 1
+    unknown = (needed & ~known).nonzero().squeeze(1)
     if len(unknown):
-        ranks[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
-                                               None if self_keys is None else self_keys[unknown], key_block)
-    return ranks
+        first_rank[unknown] = _first_positive_ranks(queries[unknown], keys, query_labels[unknown], key_labels,
+                                                    None if self_keys is None else self_keys[unknown], key_block)
+    return first_rank
 
 
 def _below(values: torch.Tensor) -> torch.Tensor:
