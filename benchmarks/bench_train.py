@@ -18,7 +18,9 @@ step time since its last log line; its "/s" figure is the last step's alone). Bo
 the data waits and the logging of the previous line. With ``--repeats N`` each tool runs N times,
 the two in turn, and each figure is its median over the N runs. Start-up is the time from launching the
 tool until its first training step has finished (open_clip_train's first log line; pairsim's
-``perf/startup_s``, logged then). Both clip the gradients' global norm at pairsim's default
+``perf/startup_s``, logged then). Where the machine's CPU went in each run's steady windows is
+sampled for every process (:mod:`machine_cpu`): the training process, the data workers, the other
+processes a tool starts (Ray's, for pairsim), this script and the rest of the machine. Both clip the gradients' global norm at pairsim's default
 ``optim.grad_clip`` (open_clip_train's ``--grad-clip-norm``). open_clip_train runs bf16 as ``amp_bf16`` (float32 weights,
 bf16 autocast); pairsim runs ``--precision bf16`` as DeepSpeed's bf16 (bf16 weights, float32
 master copy in the optimizer) and ``amp_bf16`` as open_clip does. Peak GPU memory is torch's allocator peak in the training process.
@@ -57,11 +59,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import pyarrow.parquet as pq
 import torch
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
+from machine_cpu import MachineCpu, Process
 
 from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.data import shards, synth
@@ -71,6 +75,7 @@ WARMUP_STEPS = 10
 LOG_EVERY = 5
 STARTUP_PREFIX = "perf/startup/"  # the run's start-up phases (pairsim.train.worker.StartupClock)
 PLAIN = "plain PyTorch loop (no DeepSpeed)"
+CPU_GROUPS = ("training", "data", "others", "script", "rest")  # see cpu_use
 OPEN_CLIP_PRECISION = {"fp32": "fp32", "bf16": "amp_bf16", "amp_bf16": "amp_bf16"}  # pairsim's → open_clip's
 
 
@@ -90,8 +95,9 @@ def export_csv(dataset: Path, out: Path) -> Path:
     return table
 
 
-def run_open_clip_train(table: Path, out: Path, args) -> dict[str, float]:
-    """Run ``open_clip_train.main`` (pairsim's tiny architecture registered); parse its log."""
+def run_open_clip_train(table: Path, out: Path, args, cpu: MachineCpu) -> dict[str, Any]:
+    """Run ``open_clip_train.main`` (pairsim's tiny architecture registered); parse its log, each
+    line stamped as it arrives; the CPU used in its steady windows (:func:`cpu_use`)."""
     argv = ["--train-data", str(table), "--dataset-type", "csv", "--csv-img-key", "filepath",
             "--csv-caption-key", "title", "--model", args.model, "--batch-size", str(args.batch_size),
             "--epochs", "1", "--workers", str(args.data_workers), "--device", args.device,
@@ -102,23 +108,34 @@ def run_open_clip_train(table: Path, out: Path, args) -> dict[str, float]:
             "--name", datetime.now().strftime("bench-%H%M%S"), "--train-num-samples", str(args.images)]
     code = ("import sys, torch, pairsim.models.clip; from open_clip_train.main import main; main(sys.argv[1:]); "
             "print('peak GPU bytes', torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0)")
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)} | ({"CUDA_VISIBLE_DEVICES": ""}
-                                                                   if args.device == "cpu" else {})
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"} | (
+        {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {})
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = [(time.time(), line) for line in proc.stdout]  # each stamped as it arrives
     wall = time.time() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"open_clip_train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    log = proc.stdout + proc.stderr
-    pattern = r"(\d{4}-\d\d-\d\d,\d\d:\d\d:\d\d) \| INFO \| Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): ([\d.]+),"
-    windows = [(datetime.strptime(t, "%Y-%m-%d,%H:%M:%S").timestamp(), int(n) // args.batch_size,
-                args.batch_size / float(b)) for t, n, b in re.findall(pattern, log)]
-    steady = [rate for _, end, rate in windows if end - LOG_EVERY + 1 > WARMUP_STEPS]
+    log = "".join(line for _, line in lines)
+    if proc.wait() != 0:
+        raise RuntimeError(f"open_clip_train failed:\n{log[-6000:]}")
+    pattern = re.compile(r"\| INFO \| Train Epoch: \d+ \[\s*(\d+)/.*?Batch \(t\): ([\d.]+),")
+    windows = [(t, int(found[1]) // args.batch_size, args.batch_size / float(found[2]))
+               for t, line in lines if (found := pattern.search(line))]
+    steady = [(t, rate) for t, end, rate in windows if end - LOG_EVERY + 1 > WARMUP_STEPS]
     if not steady:
         raise RuntimeError(f"open_clip_train logged {len(windows)} windows:\n{log[-3000:]}")
     peak = int(re.findall(r"peak GPU bytes (\d+)", log)[-1])
-    return {"rate": statistics.median(steady), "startup": windows[0][0] - start, "wall": wall,
-            "peak_gib": peak / 2**30 if args.device == "cuda" else None}
+    samples = len(steady) * LOG_EVERY * args.batch_size
+    used = cpu_use(cpu, window_start(windows, steady), steady[-1][0], samples,
+                   training=lambda p: p.pid == proc.pid, data=lambda p: p.parent == proc.pid)
+    return {"rate": statistics.median(rate for _, rate in steady), "startup": windows[0][0] - start, "wall": wall,
+            "peak_gib": peak / 2**30 if args.device == "cuda" else None, "cpu": used}
+
+
+def window_start(logged: list[tuple], steady: list[tuple]) -> float:
+    """When the first steady window began: the instant of the log line before it (each line's
+    instant first in its tuple)."""
+    return logged[[t for t, *_ in logged].index(steady[0][0]) - 1][0]
 
 
 def pairsim_config(dataset: Path, out: Path, args, *overrides: str) -> RunConfig:
@@ -132,7 +149,7 @@ def pairsim_config(dataset: Path, out: Path, args, *overrides: str) -> RunConfig
         f"tracking.tracking_uri=sqlite:///{out}/mlflow.db", f"ray.storage_path={out}/ray", *overrides])
 
 
-def run_pairsim(cfg: RunConfig) -> dict[str, float]:
+def run_pairsim(cfg: RunConfig, cpu: MachineCpu) -> dict[str, Any]:
     import ray
     from mlflow.tracking import MlflowClient
 
@@ -147,14 +164,42 @@ def run_pairsim(cfg: RunConfig) -> dict[str, float]:
     def history(key):
         return client.get_metric_history(result.mlflow_run_id, key)
 
-    steady = statistics.median(m.value for m in history("train/samples_per_s") if m.step - LOG_EVERY + 1 > WARMUP_STEPS)
+    windows = [(m.timestamp / 1000, m.step, m.value) for m in sorted(history("train/samples_per_s"), key=lambda m: m.step)]
+    steady = [(t, rate) for t, step, rate in windows if step - LOG_EVERY + 1 > WARMUP_STEPS]
+    samples = len(steady) * LOG_EVERY * cfg.train.micro_batch_size
+    used = cpu_use(cpu, window_start(windows, steady), steady[-1][0], samples,
+                   training=lambda p: p.name == "ray::RayTrainWorker",
+                   data=lambda p: any(title.startswith("ray::Read") for title in p.titles))  # Ray Data's tasks
     peak = history("perf/gpu_peak_memory_gib")
     phases = {key.removeprefix(STARTUP_PREFIX).removesuffix("_s"): value
               for key, value in client.get_run(result.mlflow_run_id).data.metrics.items()
               if key.startswith(STARTUP_PREFIX)}
-    return {"rate": steady, "startup": history("perf/startup_s")[0].timestamp / 1000 - start, "wall": wall,
+    return {"rate": statistics.median(rate for _, rate in steady),
+            "startup": history("perf/startup_s")[0].timestamp / 1000 - start, "wall": wall,
             "peak_gib": max(m.value for m in peak) if peak else None,
-            "val_share": history("perf/val_share")[-1].value, "phases": phases}
+            "val_share": history("perf/val_share")[-1].value, "phases": phases, "cpu": used}
+
+
+def cpu_use(cpu: MachineCpu, start: float, end: float, samples: int, training: Callable[[Process], bool],
+            data: Callable[[Process], bool]) -> dict[str, Any]:
+    """The machine's CPU time in ``[start, end]`` (a run's steady windows), as % of all its
+    cores, by group: the ``training`` process, the ``data`` workers, the other processes this
+    script started (Ray's, for pairsim), this script (pairsim's Ray driver; the sampler) and the
+    rest of the machine; the training and data CPU ms per sample; each of Ray's processes' %."""
+    used, busy = cpu.window(start, end)
+    capacity = (end - start) * psutil.cpu_count() / 100
+    ours = cpu.descendants(os.getpid())
+    groups = dict.fromkeys(CPU_GROUPS, 0.0)
+    others: dict[str, float] = {}
+    for process, seconds in used.items():
+        group = ("training" if training(process) else "data" if data(process) else
+                 "script" if process.pid == os.getpid() else "others" if process.pid in ours else "rest")
+        groups[group] += seconds
+        if group == "others":
+            others[process.name] = others.get(process.name, 0.0) + seconds / capacity
+    return {"window_s": end - start, "busy": busy / capacity} | {g: s / capacity for g, s in groups.items()} | {
+        "training_ms": groups["training"] * 1e3 / samples, "data_ms": groups["data"] * 1e3 / samples,
+        "others_by_name": others}
 
 
 def free_port() -> int:
@@ -339,10 +384,11 @@ def main() -> None:
     real = f"pairsim (1 worker, ZeRO-0, {args.precision})"
     pairsim_runs = {real: ()} | {f"pairsim, {variant}": tuple(variant.split(",")) for variant in args.real_variants}
     runs: dict[str, list[dict[str, float]]] = {"open_clip_train (baseline)": []} | {name: [] for name in pairsim_runs}
-    for _ in range(args.repeats):  # in turn, so a slow spell of the machine falls on both
-        runs["open_clip_train (baseline)"].append(run_open_clip_train(table, out, args))
-        for name, overrides in pairsim_runs.items():
-            runs[name].append(run_pairsim(pairsim_config(dataset, out, args, *overrides)))
+    with MachineCpu() as cpu:
+        for _ in range(args.repeats):  # in turn, so a slow spell of the machine falls on both
+            runs["open_clip_train (baseline)"].append(run_open_clip_train(table, out, args, cpu))
+            for name, overrides in pairsim_runs.items():
+                runs[name].append(run_pairsim(pairsim_config(dataset, out, args, *overrides), cpu))
     measured = {name: median_run(tool_runs) for name, tool_runs in runs.items() if tool_runs}
     synthetic: dict[str, dict[str, Any] | str] = {}  # a failure's message in place of its figures
 
@@ -375,12 +421,23 @@ def main() -> None:
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over a tool's runs (None where the tool has none; start-up ``phases``
-    each phase's median; a step's ``profile``, the last run's); ``rates``: every run's steady rate."""
+    and ``cpu`` each entry's median; a step's ``profile``, the last run's); ``rates``: every
+    run's steady rate."""
+    nested = ("phases", "cpu", "profile")
     figures = {key: None if runs[0][key] is None else statistics.median(run[key] for run in runs)
-               for key in runs[0] if key not in ("phases", "profile")}
+               for key in runs[0] if key not in nested}
     phases = {phase: statistics.median(run["phases"][phase] for run in runs) for phase in runs[0].get("phases", {})}
     return figures | {"rates": [run["rate"] for run in runs]} | ({"phases": phases} if phases else {}) | (
+        {"cpu": median_cpu([run["cpu"] for run in runs])} if "cpu" in runs[0] else {}) | (
         {"profile": runs[-1]["profile"]} if "profile" in runs[-1] else {})
+
+
+def median_cpu(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`cpu_use`'s figures, each the median over runs (a process a run lacks: 0 there)."""
+    names = dict.fromkeys(name for run in runs for name in run["others_by_name"])
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0] if key != "others_by_name"} | {
+        "others_by_name": {name: statistics.median(run["others_by_name"].get(name, 0.0) for run in runs)
+                           for name in names}}
 
 
 def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
@@ -414,6 +471,9 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
                              "start, MLflow, the datasets; the worker group (Train's controller, workers, process "
                              "group); on rank 0 the engine, restore, MLflow; the first batch and the first step.")
         tables_.append(startup)
+    with_cpu = {name: m["cpu"] for name, m in measured.items() if "cpu" in m}
+    if with_cpu:
+        tables_ += cpu_tables(with_cpu)
     if not synthetic:
         return tables_
     step = results.Table(
@@ -435,6 +495,33 @@ def tables(args, size: int, measured: dict[str, dict[str, float]], real: str,
     profiled = {name: m["profile"] for name, m in synthetic.items() if not isinstance(m, str) and "profile" in m}
     return tables_ + [step] + ([profile_table(args, profiled)] if profiled else []) + [
         op_table(name, profile) for name, profile in profiled.items()]
+
+
+def cpu_tables(with_cpu: dict[str, dict[str, Any]]) -> list[results.Table]:
+    cores = psutil.cpu_count()
+    groups = results.Table(
+        f"Where the machine's CPU went in the steady windows: % of its {cores} cores' time (median over runs)",
+        ["tool", "window s", "busy", "training process", "data workers", "other processes started",
+         "this script", "rest of the machine", "training CPU ms / sample", "data CPU ms / sample"],
+        ["", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".1f", ".2f", ".2f"])
+    for name, c in with_cpu.items():
+        groups.add(name, c["window_s"], c["busy"], *(c[group] for group in CPU_GROUPS), c["training_ms"], c["data_ms"])
+    groups.notes.append(
+        "Every process's CPU time (user + system, sampled every 0.5 s) over the span of the steady windows. "
+        "Data workers: open_clip_train's DataLoader workers, Ray Data's tasks. Other processes started: by "
+        "this script, what neither tool's training nor data needs of them: Ray's (the raylet, the GCS, the "
+        "dashboard and its agents, Ray Train's and Ray Data's actors) for pairsim, none for open_clip_train. "
+        "This script: pairsim's Ray driver, and the sampler (about 2 % of one core) in both.")
+    others = {name: c["others_by_name"] for name, c in with_cpu.items() if c["others"] > 0}
+    if not others:
+        return [groups]
+    names = sorted({n for by_name in others.values() for n in by_name},
+                   key=lambda n: -max(by_name.get(n, 0.0) for by_name in others.values()))
+    listed = results.Table("The other processes started, by name: % of the machine's CPU in the steady windows",
+                           ["process", *others], ["", *[".2f"] * len(others)])
+    for process in names:
+        listed.add(process, *(by_name.get(process, 0.0) for by_name in others.values()))
+    return [groups, listed]
 
 
 def profile_table(args, profiled: dict[str, dict[str, Any]]) -> results.Table:

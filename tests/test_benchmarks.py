@@ -17,6 +17,7 @@ REPO = Path(__file__).parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_all  # noqa: E402
 import cusa_tradeoff  # noqa: E402
+import machine_cpu  # noqa: E402
 import reproduce  # noqa: E402
 import results  # noqa: E402
 import unified_figure5  # noqa: E402
@@ -124,6 +125,25 @@ def test_a_rendered_table_shows_what_its_json_holds():
                                          "machine": {"cores": 2, "cpu": "c", "memory_gib": 1.0, "gpu": None}}})
     assert "| a | 12,345 | 0.50 |" in md and "| b | – | 1.23 |" in md and "|---|---:|---:|" in md
     assert results._as_rerun("python b.py --sizes 1 --results /tmp/r --out /tmp/o") == "python b.py --sizes 1"
+
+
+def test_machine_cpu_gives_a_child_the_cpu_seconds_it_spun_inside_a_window_only():
+    """A child spins 0.6 s of CPU, sleeps, spins 1.5 s, sleeps: the window over its second spin
+    holds those 1.5 s, the window over its first sleep none, and it is counted among this
+    process's descendants."""
+    spin = ("import time; t = time.process_time()\n"
+            "while time.process_time() - t < 0.6: pass\n"
+            "time.sleep(1); print(time.time(), flush=True); t = time.process_time()\n"
+            "while time.process_time() - t < 1.5: pass\n"
+            "print(time.time(), flush=True); time.sleep(1)")
+    with machine_cpu.MachineCpu(interval=0.05) as cpu:
+        done = subprocess.run([sys.executable, "-c", spin], capture_output=True, text=True, check=True)
+    began, ended = map(float, done.stdout.split())
+    child = next(p for p in cpu.processes.values() if spin.splitlines()[0] in " ".join(p.titles))
+    assert child.pid in cpu.descendants(os.getpid()) and child.name.startswith("python")
+    used, busy = cpu.window(began, ended)
+    assert 1.3 < used[child] < 1.7 and busy >= used[child] - 0.2
+    assert child not in cpu.window(began - 0.9, began - 0.1)[0]
 
 
 @pytest.mark.slow
