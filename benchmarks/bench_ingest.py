@@ -14,7 +14,9 @@ object — Ray Data's dataset with its decode workers kept alive between epochs,
 with ``persistent_workers`` — each epoch's images/s measured from asking for its first batch to
 its last (that epoch's start-up included); the median is reported. Ray Data is timed twice,
 with each shard's SHA-256 checked as it is read (``data.shard_checks: error``, what runs use)
-and without (``off``), the two taking turns epoch by epoch: what the check costs.
+and without (``off``), and without the local shuffle buffer, the seeded order and a shard's rows
+held as one block (:data:`VARIANTS`), all taking turns epoch by epoch: what the check costs, and
+what each epoch's first batch waits for.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import results
 from pairsim.data import builder, ingest, shards, skips, synth
 from pairsim.config import RunConfig
 from pairsim.data.build_config import BuildConfig
+from pairsim.models import clip
 
 
 def make_photos(out: Path, images: int) -> Path:
@@ -115,33 +118,47 @@ def timed_epoch(batches) -> Epoch:
     return Epoch(images / seconds, first, (images - len(batch["pixels"])) / (seconds - first))
 
 
+# Ray Data variants timed in turn: (data config overrides, rows in their seeded order, a block per
+# micro-batch). "checked" is what runs do; the others leave out the SHA-256 check, the local shuffle
+# buffer the first batch waits to fill, the order that keeps a seeded run's batches the same, or a
+# shard's decoded rows held back as one block (Ray Data's default target_max_block_size, 128 MiB).
+VARIANTS = {"checked": ({}, True, False), "checks off": ({"shard_checks": "off"}, True, False),
+            "no shuffle buffer": ({"shuffle_buffer": 0}, True, False), "any order": ({}, False, False),
+            "no shuffle buffer, any order": ({"shuffle_buffer": 0}, False, False),
+            "no shuffle buffer, any order, a block per batch": ({"shuffle_buffer": 0}, False, True)}
+
+
 def ray_data_batches(cfg: RunConfig, dataset):
     return dataset.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
                                       prefetch_batches=cfg.data.prefetch_batches,
                                       local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
 
 
-def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, Epoch, Epoch, Epoch]:
-    """(name, the DataLoader's epoch, Ray Data's with each shard's SHA-256 checked as it is read —
-    ``data.shard_checks: error``, the default — and without: ``off``), each the medians of
-    ``repeats`` epochs after a warm-up one; the two Ray Data variants take turns, epoch by epoch."""
+def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, Epoch, dict[str, Epoch]]:
+    """(name, the DataLoader's epoch, Ray Data's for each of :data:`VARIANTS`), each the medians
+    of ``repeats`` epochs after a warm-up one; the Ray Data variants take turns, epoch by epoch."""
     bench_skips = skips.new_scope("bench-ingest")
-    datasets = {}
-    for checks in ("error", "off"):
-        variant = cfg.model_copy(update={"data": cfg.data.model_copy(update={"shard_checks": checks})})
-        datasets[checks] = ingest.train_dataset(variant, bench_skips)
-        datasets[checks].context.execution_options = ingest.execution_options(variant, ordered=True)
-        timed_epoch(ray_data_batches(cfg, datasets[checks]))  # warm-up: worker processes, imports, page cache
-    epochs: dict[str, list[Epoch]] = {"error": [], "off": []}
+    pipelines = {}
+    for variant, (overrides, ordered, block_per_batch) in VARIANTS.items():
+        changed = cfg.model_copy(update={"data": cfg.data.model_copy(update=overrides)})
+        dataset = ingest.train_dataset(changed, bench_skips)
+        dataset.context.execution_options = ingest.execution_options(changed, ordered=ordered)
+        if block_per_batch:  # a block is let out once over this size, sliced once over 1.5×: a batch's pixels
+            size = clip.preprocess_cfg(cfg.model).size
+            height, width = (size, size) if isinstance(size, int) else size
+            dataset.context.target_max_block_size = cfg.train.micro_batch_size * 3 * height * width
+        timed_epoch(ray_data_batches(changed, dataset))  # warm-up: worker processes, imports, page cache
+        pipelines[variant] = changed, dataset
+    epochs: dict[str, list[Epoch]] = {variant: [] for variant in VARIANTS}
     for _ in range(repeats):
-        for checks, dataset in datasets.items():
-            epochs[checks].append(timed_epoch(ray_data_batches(cfg, dataset)))
+        for variant, (changed, dataset) in pipelines.items():
+            epochs[variant].append(timed_epoch(ray_data_batches(changed, dataset)))
     loader = dataloader(cfg, cpus)
     timed_epoch(loader)  # the same warm-up
     loader_epochs = [timed_epoch(loader) for _ in range(repeats)]
     del loader  # its persistent workers end
     bench_skips.drop()
-    return name, median_epoch(loader_epochs), median_epoch(epochs["error"]), median_epoch(epochs["off"])
+    return name, median_epoch(loader_epochs), {variant: median_epoch(e) for variant, e in epochs.items()}
 
 
 def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> tuple[dict[str, list[float]], float]:
@@ -190,12 +207,27 @@ def throughput_tables(args: argparse.Namespace, shapes: Path, out: Path) -> list
                           f"there to its last (medians of the same {args.repeats} epochs; Ray Data with checks)",
                           ["data", "DataLoader 1st batch s", "Ray Data 1st batch s", "DataLoader img/s after it",
                            "Ray Data img/s after it", "ratio after it"], ["", ".2f", ".2f", ".0f", ".0f", ".2f"])
-    for name, loader, checked, unchecked in rows:
+    waits = results.Table(f"What Ray Data's first batch waits for: each variant leaves one thing out of the run's "
+                          f"pipeline (medians of the same {args.repeats} epochs, taken in turn)",
+                          ["data", "pipeline", "1st batch s", "img/s", "÷ DataLoader"], ["", "", ".2f", ".0f", ".2f"])
+    for name, loader, variants in rows:
+        checked, unchecked = variants["checked"], variants["checks off"]
         table.add(name, loader.rate, checked.rate, checked.rate / loader.rate, unchecked.rate,
                   checked.rate / unchecked.rate)
         start.add(name, loader.first_batch_s, checked.first_batch_s, loader.rate_after_first,
                   checked.rate_after_first, checked.rate_after_first / loader.rate_after_first)
-    return [table, start]
+        waits.add(name, "DataLoader (no shuffle within the epoch)", loader.first_batch_s, loader.rate, 1.0)
+        for variant in (v for v in VARIANTS if v != "checks off"):
+            epoch = variants[variant]
+            waits.add(name, "Ray Data, as run" if variant == "checked" else f"Ray Data, {variant}",
+                      epoch.first_batch_s, epoch.rate, epoch.rate / loader.rate)
+    waits.notes.append(f"As run: data.shuffle_buffer {RunConfig().data.shuffle_buffer} rows (Ray Data's local "
+                       "shuffle lets out its first batch once it holds 1.5 times that and a batch more), rows in "
+                       "their seeded order (a seeded run's batches the same every time), each shard's decoded "
+                       "rows one block (let out when the shard is done). No shuffle buffer: data.shuffle_buffer "
+                       "0. Any order: ExecutionOptions.preserve_order off. A block per batch: the dataset's "
+                       "target_max_block_size one micro-batch's pixels.")
+    return [table, start, waits]
 
 
 def main() -> None:
