@@ -16,25 +16,30 @@ its last (that epoch's start-up included); the median is reported. Ray Data is t
 with each shard's SHA-256 checked as it is read (``data.shard_checks: error``, what runs use)
 and without (``off``), and without the local shuffle buffer, the seeded order and a shard's rows
 held as one block (:data:`VARIANTS`), all taking turns epoch by epoch: what the check costs, and
-what each epoch's first batch waits for.
+what each epoch's first batch waits for. Where the machine's CPU goes in the timed epochs is
+sampled for every process (:mod:`machine_cpu`): the consumer (this process), the decode workers,
+Ray's other processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import torch
 from PIL import Image
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
+from machine_cpu import MachineCpu, Process
 
 from pairsim.data import builder, ingest, shards, skips, synth
 from pairsim.config import RunConfig
@@ -65,6 +70,7 @@ def make_photos(out: Path, images: int) -> Path:
 
 @dataclass(frozen=True)
 class Epoch:
+    images: int
     rate: float  # images/s from asking for the first batch to the last
     first_batch_s: float  # seconds to the first batch
     rate_after_first: float  # images/s from the first batch to the last
@@ -115,7 +121,7 @@ def timed_epoch(batches) -> Epoch:
             first = time.perf_counter() - start
         images += len(batch["pixels"])
     seconds = time.perf_counter() - start
-    return Epoch(images / seconds, first, (images - len(batch["pixels"])) / (seconds - first))
+    return Epoch(images, images / seconds, first, (images - len(batch["pixels"])) / (seconds - first))
 
 
 # Ray Data variants timed in turn: (data config overrides, rows in their seeded order, a block per
@@ -128,37 +134,77 @@ VARIANTS = {"checked": ({}, True, False), "checks off": ({"shard_checks": "off"}
             "no shuffle buffer, any order, a block per batch": ({"shuffle_buffer": 0}, False, True)}
 
 
+DATALOADER = "DataLoader (no shuffle within the epoch)"
+CPU_GROUPS = ("consumer", "decode", "others", "rest")  # see cpu_per_image
+
+
 def ray_data_batches(cfg: RunConfig, dataset):
     return dataset.iter_torch_batches(batch_size=cfg.train.micro_batch_size, drop_last=True,
                                       prefetch_batches=cfg.data.prefetch_batches,
                                       local_shuffle_buffer_size=cfg.data.shuffle_buffer or None)
 
 
-def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, Epoch, dict[str, Epoch]]:
-    """(name, the DataLoader's epoch, Ray Data's for each of :data:`VARIANTS`), each the medians
-    of ``repeats`` epochs after a warm-up one; the Ray Data variants take turns, epoch by epoch."""
+def throughput(name: str, cfg: RunConfig, cpus: int, repeats: int) -> tuple[str, Epoch, dict[str, Epoch],
+                                                                           dict[str, dict[str, float]]]:
+    """(name, the DataLoader's epoch, Ray Data's for each of :data:`VARIANTS`, where the CPU went
+    in the DataLoader's and in each variant's timed epochs: :func:`cpu_per_image`), each epoch
+    the medians of ``repeats`` epochs after a warm-up one; the Ray Data variants take turns,
+    epoch by epoch."""
     bench_skips = skips.new_scope("bench-ingest")
-    pipelines = {}
-    for variant, (overrides, ordered, block_per_batch) in VARIANTS.items():
-        changed = cfg.model_copy(update={"data": cfg.data.model_copy(update=overrides)})
-        dataset = ingest.train_dataset(changed, bench_skips)
-        dataset.context.execution_options = ingest.execution_options(changed, ordered=ordered)
-        if block_per_batch:  # a block is let out once over this size, sliced once over 1.5×: a batch's pixels
-            size = clip.preprocess_cfg(cfg.model).size
-            height, width = (size, size) if isinstance(size, int) else size
-            dataset.context.target_max_block_size = cfg.train.micro_batch_size * 3 * height * width
-        timed_epoch(ray_data_batches(changed, dataset))  # warm-up: worker processes, imports, page cache
-        pipelines[variant] = changed, dataset
-    epochs: dict[str, list[Epoch]] = {variant: [] for variant in VARIANTS}
-    for _ in range(repeats):
-        for variant, (changed, dataset) in pipelines.items():
-            epochs[variant].append(timed_epoch(ray_data_batches(changed, dataset)))
-    loader = dataloader(cfg, cpus)
-    timed_epoch(loader)  # the same warm-up
-    loader_epochs = [timed_epoch(loader) for _ in range(repeats)]
-    del loader  # its persistent workers end
+    spans: dict[str, list[tuple[float, float]]] = {}
+
+    def timed(pipeline: str, batches) -> Epoch:
+        began = time.time()
+        epoch = timed_epoch(batches)
+        spans.setdefault(pipeline, []).append((began, time.time()))
+        return epoch
+
+    with MachineCpu() as cpu:
+        pipelines = {}
+        for variant, (overrides, ordered, block_per_batch) in VARIANTS.items():
+            changed = cfg.model_copy(update={"data": cfg.data.model_copy(update=overrides)})
+            dataset = ingest.train_dataset(changed, bench_skips)
+            dataset.context.execution_options = ingest.execution_options(changed, ordered=ordered)
+            if block_per_batch:  # a block is let out once over this size, sliced once over 1.5×: a batch's pixels
+                size = clip.preprocess_cfg(cfg.model).size
+                height, width = (size, size) if isinstance(size, int) else size
+                dataset.context.target_max_block_size = cfg.train.micro_batch_size * 3 * height * width
+            timed_epoch(ray_data_batches(changed, dataset))  # warm-up: worker processes, imports, page cache
+            pipelines[variant] = changed, dataset
+        epochs: dict[str, list[Epoch]] = {variant: [] for variant in VARIANTS}
+        for _ in range(repeats):
+            for variant, (changed, dataset) in pipelines.items():
+                epochs[variant].append(timed(variant, ray_data_batches(changed, dataset)))
+        loader = dataloader(cfg, cpus)
+        timed_epoch(loader)  # the same warm-up
+        loader_epochs = [timed(DATALOADER, loader) for _ in range(repeats)]
+        del loader  # its persistent workers end
     bench_skips.drop()
-    return name, median_epoch(loader_epochs), {variant: median_epoch(e) for variant, e in epochs.items()}
+    images = {DATALOADER: loader_epochs} | epochs
+    used = {pipeline: cpu_per_image(cpu, spans[pipeline], sum(e.images for e in images[pipeline])) for pipeline in spans}
+    return name, median_epoch(loader_epochs), {variant: median_epoch(e) for variant, e in epochs.items()}, used
+
+
+def cpu_per_image(cpu: MachineCpu, spans: list[tuple[float, float]], images: int) -> dict[str, float]:
+    """ms of CPU per image over ``spans`` by group: this process (the pipeline's consumer: Ray
+    Data's iterator threads, the DataLoader's main process), the decode workers (Ray Data's tasks,
+    the DataLoader's forked workers), Ray's other processes, the rest of the machine; and the
+    machine's busy %."""
+    me, ours = os.getpid(), cpu.descendants(os.getpid())
+    own_title = " ".join(psutil.Process().cmdline())
+
+    def group(process: Process) -> str:
+        if process.pid == me:
+            return "consumer"
+        if (any(title.startswith("ray::Read") for title in process.titles)
+                or (process.parent == me and process.titles[0] == own_title)):
+            return "decode"
+        return "others" if process.pid in ours else "rest"
+
+    seconds = cpu.by_group(spans, group)
+    wall = sum(end - start for start, end in spans)
+    return {g: seconds.get(g, 0.0) * 1e3 / images for g in CPU_GROUPS} | {
+        "busy": 100 * seconds["busy"] / (wall * psutil.cpu_count())}
 
 
 def data_wait(dataset: Path, out: Path, epochs: int, log_every: int | None) -> tuple[dict[str, list[float]], float]:
@@ -210,13 +256,25 @@ def throughput_tables(args: argparse.Namespace, shapes: Path, out: Path) -> list
     waits = results.Table(f"What Ray Data's first batch waits for: each variant leaves one thing out of the run's "
                           f"pipeline (medians of the same {args.repeats} epochs, taken in turn)",
                           ["data", "pipeline", "1st batch s", "img/s", "÷ DataLoader"], ["", "", ".2f", ".0f", ".2f"])
-    for name, loader, variants in rows:
+    cpu = results.Table(f"Where the CPU went in the timed epochs: ms of CPU per image (over the same {args.repeats} "
+                        f"epochs)", ["data", "pipeline", "this process (the consumer)", "decode workers",
+                                     "Ray's other processes", "rest of the machine", "machine busy %"],
+                        ["", "", ".2f", ".2f", ".2f", ".2f", ".0f"])
+    cpu.notes.append("Every process's CPU time (user + system, sampled every 0.5 s) over the timed epochs. This "
+                     "process: Ray Data's iterator threads (the local shuffle, the batches made into tensors) or "
+                     "the DataLoader's main process (the benchmark's loop in both). Decode workers: Ray Data's "
+                     "read-and-decode tasks, the DataLoader's workers. Ray's other processes: the raylet, the GCS, "
+                     "the dashboard, Ray Data's coordinator (also running, idle, in the DataLoader's epochs).")
+    for name, loader, variants, used in rows:
+        for pipeline in (DATALOADER, "checked"):
+            cpu.add(name, "Ray Data, as run" if pipeline == "checked" else pipeline,
+                    *(used[pipeline][g] for g in CPU_GROUPS), used[pipeline]["busy"])
         checked, unchecked = variants["checked"], variants["checks off"]
         table.add(name, loader.rate, checked.rate, checked.rate / loader.rate, unchecked.rate,
                   checked.rate / unchecked.rate)
         start.add(name, loader.first_batch_s, checked.first_batch_s, loader.rate_after_first,
                   checked.rate_after_first, checked.rate_after_first / loader.rate_after_first)
-        waits.add(name, "DataLoader (no shuffle within the epoch)", loader.first_batch_s, loader.rate, 1.0)
+        waits.add(name, DATALOADER, loader.first_batch_s, loader.rate, 1.0)
         for variant in (v for v in VARIANTS if v != "checks off"):
             epoch = variants[variant]
             waits.add(name, "Ray Data, as run" if variant == "checked" else f"Ray Data, {variant}",
@@ -227,7 +285,7 @@ def throughput_tables(args: argparse.Namespace, shapes: Path, out: Path) -> list
                        "rows one block (let out when the shard is done). No shuffle buffer: data.shuffle_buffer "
                        "0. Any order: ExecutionOptions.preserve_order off. A block per batch: the dataset's "
                        "target_max_block_size one micro-batch's pixels.")
-    return [table, start, waits]
+    return [table, start, waits, cpu]
 
 
 def main() -> None:

@@ -186,20 +186,18 @@ def cpu_use(cpu: MachineCpu, start: float, end: float, samples: int, training: C
     cores, by group: the ``training`` process, the ``data`` workers, the other processes this
     script started (Ray's, for pairsim), this script (pairsim's Ray driver; the sampler) and the
     rest of the machine; the training and data CPU ms per sample; each of Ray's processes' %."""
-    used, busy = cpu.window(start, end)
-    capacity = (end - start) * psutil.cpu_count() / 100
     ours = cpu.descendants(os.getpid())
-    groups = dict.fromkeys(CPU_GROUPS, 0.0)
-    others: dict[str, float] = {}
-    for process, seconds in used.items():
-        group = ("training" if training(process) else "data" if data(process) else
-                 "script" if process.pid == os.getpid() else "others" if process.pid in ours else "rest")
-        groups[group] += seconds
-        if group == "others":
-            others[process.name] = others.get(process.name, 0.0) + seconds / capacity
-    return {"window_s": end - start, "busy": busy / capacity} | {g: s / capacity for g, s in groups.items()} | {
-        "training_ms": groups["training"] * 1e3 / samples, "data_ms": groups["data"] * 1e3 / samples,
-        "others_by_name": others}
+
+    def group(process: Process) -> str:
+        return ("training" if training(process) else "data" if data(process) else
+                "script" if process.pid == os.getpid() else "others" if process.pid in ours else "rest")
+
+    capacity = (end - start) * psutil.cpu_count() / 100
+    seconds = cpu.by_group([(start, end)], group)
+    others = cpu.by_group([(start, end)], lambda process: process.name if group(process) == "others" else "")
+    return {"window_s": end - start} | {g: seconds.get(g, 0.0) / capacity for g in ("busy", *CPU_GROUPS)} | {
+        "training_ms": seconds.get("training", 0.0) * 1e3 / samples, "data_ms": seconds.get("data", 0.0) * 1e3 / samples,
+        "others_by_name": {name: s / capacity for name, s in others.items() if name not in ("", "busy")}}
 
 
 def free_port() -> int:

@@ -2,8 +2,9 @@
 system, from psutil), sampled in a thread, then summed over a time window by process.
 
     with MachineCpu() as cpu:
-        ...                                   # the run; note the window's ends (time.time())
-    used = cpu.window(start, end)             # {process: CPU s in [start, end]}, machine's busy s
+        ...                                   # the run; note its spans' ends (time.time())
+    used, busy = cpu.window(start, end)       # {process: CPU s in [start, end]}, the machine's busy s
+    cpu.by_group(spans, group)                # {group(process): CPU s over the spans, "busy": …}
 
 A process's CPU seconds at an instant are interpolated between the two samples around it (0 at
 its start, its last sample after it ends). A process is known by its pid and start time, and
@@ -17,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -113,6 +115,17 @@ class MachineCpu:
             return b0 + (t - t0) / (t1 - t0) * (b1 - b0)
 
         return {p: s for p, s in used.items() if s > 0}, busy_at(end) - busy_at(start)
+
+    def by_group(self, spans: list[tuple[float, float]], group: Callable[[Process], str]) -> dict[str, float]:
+        """CPU seconds over ``spans`` (summed) of each ``group(process)``, and ``"busy"``: the
+        machine's busy seconds there."""
+        totals = {"busy": 0.0}
+        for start, end in spans:
+            used, busy = self.window(start, end)
+            totals["busy"] += busy
+            for process, seconds in used.items():
+                totals[group(process)] = totals.get(group(process), 0.0) + seconds
+        return totals
 
     def descendants(self, pid: int) -> set[int]:
         """``pid`` and every process started under it (as seen by the samples)."""
