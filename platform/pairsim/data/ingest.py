@@ -184,8 +184,10 @@ class InSlices:
 
     Mapped with ``batch_size=None`` (Ray Data will not fuse a read with a ``map_batches``
     that asks for a batch size), so the read and this map become one task per shard —
-    both CPUs decode instead of one reading and one decoding — while the output still
-    streams out a batch at a time.
+    both CPUs decode instead of one reading and one decoding. Ray Data's output buffer
+    gathers the slices' results into blocks of up to ``target_max_block_size`` (128 MiB),
+    so a shard's rows leave the task together when it is done: blocks of a micro-batch
+    would let an epoch's first batch out sooner and slow the stream (``bench_ingest``).
     """
 
     def __init__(self, fn, size: int):
