@@ -144,6 +144,9 @@ def test_machine_cpu_gives_a_child_the_cpu_seconds_it_spun_inside_a_window_only(
     used, busy = cpu.window(began, ended)
     assert 1.3 < used[child] < 1.7 and busy >= used[child] - 0.2
     assert child not in cpu.window(began - 0.9, began - 0.1)[0]
+    middle = (began + ended) / 2  # two spans add up to the window they split
+    halves = cpu.by_group([(began, middle), (middle, ended)], lambda p: "child" if p is child else "other")
+    assert halves["child"] == pytest.approx(used[child]) and halves["busy"] == pytest.approx(busy)
 
 
 @pytest.mark.slow
