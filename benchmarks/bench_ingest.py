@@ -39,7 +39,7 @@ from PIL import Image
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
-from machine_cpu import MachineCpu, Process
+from machine_cpu import MachineCpu, ray_data_task
 
 from pairsim.data import builder, ingest, shards, skips, synth
 from pairsim.config import RunConfig
@@ -190,18 +190,10 @@ def cpu_per_image(cpu: MachineCpu, spans: list[tuple[float, float]], images: int
     Data's iterator threads, the DataLoader's main process), the decode workers (Ray Data's tasks,
     the DataLoader's forked workers), Ray's other processes, the rest of the machine; and the
     machine's busy %."""
-    me, ours = os.getpid(), cpu.descendants(os.getpid())
-    own_title = " ".join(psutil.Process().cmdline())
-
-    def group(process: Process) -> str:
-        if process.pid == me:
-            return "consumer"
-        if (any(title.startswith("ray::Read") for title in process.titles)
-                or (process.parent == me and process.titles[0] == own_title)):
-            return "decode"
-        return "others" if process.pid in ours else "rest"
-
-    seconds = cpu.by_group(spans, group)
+    me, own_title = os.getpid(), " ".join(psutil.Process().cmdline())
+    forked = lambda process: process.parent == me and process.titles[0] == own_title  # noqa: E731  (DataLoader workers)
+    seconds = cpu.by_group(spans, cpu.classify(consumer=lambda process: process.pid == me,
+                                               decode=lambda process: ray_data_task(process) or forked(process)))
     wall = sum(end - start for start, end in spans)
     return {g: seconds.get(g, 0.0) * 1e3 / images for g in CPU_GROUPS} | {
         "busy": 100 * seconds["busy"] / (wall * psutil.cpu_count())}

@@ -65,7 +65,7 @@ import torch
 
 import checkout_path  # noqa: F401  (this checkout's pairsim, first on the path)
 import results
-from machine_cpu import MachineCpu, Process
+from machine_cpu import MachineCpu, Process, ray_data_task
 
 from pairsim.config import ConfigError, RunConfig, load_config
 from pairsim.data import shards, synth
@@ -169,7 +169,7 @@ def run_pairsim(cfg: RunConfig, cpu: MachineCpu) -> dict[str, Any]:
     samples = len(steady) * LOG_EVERY * cfg.train.micro_batch_size
     used = cpu_use(cpu, window_start(windows, steady), steady[-1][0], samples,
                    training=lambda p: p.name == "ray::RayTrainWorker",
-                   data=lambda p: any(title.startswith("ray::Read") for title in p.titles))  # Ray Data's tasks
+                   data=ray_data_task)
     peak = history("perf/gpu_peak_memory_gib")
     phases = {key.removeprefix(STARTUP_PREFIX).removesuffix("_s"): value
               for key, value in client.get_run(result.mlflow_run_id).data.metrics.items()
@@ -186,12 +186,7 @@ def cpu_use(cpu: MachineCpu, start: float, end: float, samples: int, training: C
     cores, by group: the ``training`` process, the ``data`` workers, the other processes this
     script started (Ray's, for pairsim), this script (pairsim's Ray driver; the sampler) and the
     rest of the machine; the training and data CPU ms per sample; each of Ray's processes' %."""
-    ours = cpu.descendants(os.getpid())
-
-    def group(process: Process) -> str:
-        return ("training" if training(process) else "data" if data(process) else
-                "script" if process.pid == os.getpid() else "others" if process.pid in ours else "rest")
-
+    group = cpu.classify(training=training, data=data)
     capacity = (end - start) * psutil.cpu_count() / 100
     seconds = cpu.by_group([(start, end)], group)
     others = cpu.by_group([(start, end)], lambda process: process.name if group(process) == "others" else "")
@@ -509,7 +504,7 @@ def cpu_tables(with_cpu: dict[str, dict[str, Any]]) -> list[results.Table]:
         "Data workers: open_clip_train's DataLoader workers, Ray Data's tasks. Other processes started: by "
         "this script, what neither tool's training nor data needs of them: Ray's (the raylet, the GCS, the "
         "dashboard and its agents, Ray Train's and Ray Data's actors) for pairsim, none for open_clip_train. "
-        "This script: pairsim's Ray driver, and the sampler (about 2 % of one core) in both.")
+        "This script: pairsim's Ray driver, and the sampler in both (alone in open_clip_train's row).")
     others = {name: c["others_by_name"] for name, c in with_cpu.items() if c["others"] > 0}
     if not others:
         return [groups]
