@@ -149,3 +149,95 @@ def test_the_classes_deepspeed_pickles_into_checkpoints_load(tmp_path):
     loaded = checkpoints.load_checkpoint_file(tmp_path / "states.pt")
     assert loaded["address"] == states["address"] and loaded["stage"] is ZeroStageEnum.gradients
     assert (loaded["scaler"].cur_scale, loaded["dynamic"].cur_scale) == (2.0, 2.0**16)
+
+
+class HalfUsed(torch.nn.Module):
+    """Two layers, the second never in the loss: its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _steps_with_and_without_the_one_rank_allreduce(rank, world, precision):
+    """HalfUsed trained 3 optimizer steps of 2 accumulated micro-batches at ZeRO-0 by DeepSpeed as
+    it comes and with ``skip_one_rank_gradient_allreduce``: whether it was left out, the
+    parameters, and the tensor copies of the last step under the profiler; whether it is left
+    out at ZeRO-1."""
+    import deepspeed
+
+    from pairsim.compat.deepspeed import skip_one_rank_gradient_allreduce, skip_shared_memory_allreduce
+    from pairsim.config import load_config
+    from pairsim.train.engine import deepspeed_config, parameter_groups
+
+    skip_shared_memory_allreduce()
+    out = {}
+    for stage, skip in ((0, False), (0, True), (1, True)):
+        cfg = load_config(None, [f"train.zero_stage={stage}", f"train.precision={precision}", "train.micro_batch_size=4",
+                                 "train.accumulate_steps=2", "optim.warmup_steps=0", "optim.weight_decay=0.1",
+                                 "optim.grad_clip=1.0"])
+        torch.manual_seed(0)
+        model = HalfUsed()
+        engine, *_ = deepspeed.initialize(model=model, config=deepspeed_config(cfg.train, cfg.optim, 10),
+                                          model_parameters=parameter_groups(model, cfg.optim.weight_decay))
+        left_out = skip and skip_one_rank_gradient_allreduce(engine)
+        if stage == 1:
+            out["zero_1_left_out"] = left_out
+            continue
+        inputs = torch.randn(6, 4, 8, generator=torch.Generator().manual_seed(1)).to(engine.module.used.weight.dtype)
+        for x in inputs[:-2]:
+            engine.backward(engine(x).float().sin().sum())
+            engine.step()
+        with torch.profiler.profile() as profile:
+            for x in inputs[-2:]:
+                engine.backward(engine(x).float().sin().sum())
+                engine.step()
+        out[skip] = {"left_out": left_out, "copies": sum(e.count for e in profile.key_averages() if e.key == "aten::copy_"),
+                     "params": {n: p.detach().float().numpy().copy() for n, p in engine.module.named_parameters()}}
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16", "bf16"])
+def test_the_one_rank_allreduce_left_out_changes_no_bit_of_training(precision):
+    """On CPU, DeepSpeed's ZeRO-0 reduces the gradients themselves in every precision (bf16:
+    ``FP16_UnfusedOptimizer``, bf16 gradients sent as bf16), so it is left out in all three."""
+    import numpy as np
+
+    from conftest import on_gloo_ranks
+
+    got = on_gloo_ranks(_steps_with_and_without_the_one_rank_allreduce, precision, world=1)[0]
+    deepspeeds, skipped = got[False], got[True]
+    assert skipped["left_out"] and not got["zero_1_left_out"]
+    for name, value in deepspeeds["params"].items():
+        np.testing.assert_array_equal(skipped["params"][name], value, err_msg=name)
+    torch.manual_seed(0)
+    init = HalfUsed()
+    assert not np.array_equal(deepspeeds["params"]["unused.weight"], init.unused.weight.detach().float().numpy())
+    assert skipped["copies"] < deepspeeds["copies"]
+
+
+def _allreduces_of_a_zero_0_step(rank, world):
+    """The all-reduces of one step of pairsim's engine at ZeRO-0 (no gradient clipping, whose norm
+    is one)."""
+    from pairsim.config import load_config
+    from pairsim.train import engine as engines
+    from test_train import fixed_inputs
+
+    cfg = load_config(None, ["model.arch=pairsim-tiny", "train.zero_stage=0", "train.micro_batch_size=6",
+                             "optim.grad_clip=0"])
+    engine = engines.create_engine(cfg, engines.deepspeed_config(cfg.train, cfg.optim, total_steps=10))
+    pixels, tokens = fixed_inputs(cfg)
+    with torch.profiler.profile() as profile:
+        engine.backward(engine(method="loss", image=pixels, text=tokens, group_ids=torch.arange(6))["loss"])
+        engine.step()
+    return sum(e.count for e in profile.key_averages() if "all_reduce" in e.key)
+
+
+def test_pairsims_one_worker_zero_0_engine_reduces_no_gradients():
+    from conftest import on_gloo_ranks
+
+    assert on_gloo_ranks(_allreduces_of_a_zero_0_step, world=1)[0] == 0
+    assert all(n > 0 for n in on_gloo_ranks(_allreduces_of_a_zero_0_step, world=2).values())

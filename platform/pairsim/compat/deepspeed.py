@@ -1,7 +1,8 @@
 """What pairsim uses of DeepSpeed beyond its public API: the classes its checkpoints pickle
 (:func:`checkpoint_globals`), its ``@torch.compile`` decorator replaced while Muon's module
 imports (:func:`import_muon_lazily`), its CPU shared-memory all-reduce kernel left unbuilt
-(:func:`skip_shared_memory_allreduce`), and its optimizers' fp32 master copies
+(:func:`skip_shared_memory_allreduce`), its gradient all-reduce over one rank left out
+(:func:`skip_one_rank_gradient_allreduce`), and its optimizers' fp32 master copies
 (:func:`master_fragment`).
 
 Imports neither ``deepspeed`` nor ``torch`` at module level.
@@ -86,6 +87,38 @@ def skip_shared_memory_allreduce() -> None:
     ``torch.distributed`` either way."""
     backend = importlib.import_module("deepspeed.comm.torch")  # the package's own ``torch`` is PyTorch
     backend.build_shm_op = lambda: None
+
+
+def skip_one_rank_gradient_allreduce(engine) -> bool:
+    """Leave out ``engine``'s gradient all-reduce where it changes nothing: ZeRO-0 on one
+    data-parallel rank (no sequence or pipeline parallelism, no MoE layers), gradients averaged
+    with no pre-divide factor and sent in their own dtype. True when it was left out.
+
+    DeepSpeed 0.19 runs it whatever the world size (``allreduce_gradients`` →
+    ``buffered_allreduce_fallback``): every gradient copied into one flat buffer, multiplied by
+    1, "reduced" over the one rank and copied back, about 90 more tensor copies a step of
+    pairsim-tiny (``bench_train``'s profile), paid by every one-worker run and sweep trial.
+    What it leaves besides the values it started with is kept: at the accumulation boundary a
+    trainable parameter that got no gradient gets zeros (so weight decay and Adam's moments
+    still move it, as on more ranks). Under bf16 it is not left out: there it rounds the fp32
+    gradients to bf16 and back (``communication_data_type``), on one rank as on many."""
+    import torch
+
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    if (engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 or engine.sequence_parallel_size != 1
+            or engine.pipeline_parallelism or engine.has_moe_layers or engine.gradient_predivide_factor() != 1.0
+            or hasattr(engine.optimizer, "get_grads_for_reduction")  # reduces its own copies, not the grads
+            or {p.dtype for p in trainable} != {engine.communication_data_type}):
+        return False
+
+    def zero_fill_missing_gradients(bucket_size=None):
+        if engine.is_gradient_accumulation_boundary():
+            for param in trainable:
+                if param.grad is None and param.numel():
+                    param.grad = torch.zeros_like(param)
+
+    engine.allreduce_gradients = zero_fill_missing_gradients
+    return True
 
 
 def master_fragment(optimizer, param: torch.nn.Parameter) -> torch.Tensor | None:

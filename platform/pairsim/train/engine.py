@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from pairsim import dist, log
-from pairsim.compat.deepspeed import import_muon_lazily, master_fragment, skip_shared_memory_allreduce
+from pairsim.compat.deepspeed import (import_muon_lazily, master_fragment, skip_one_rank_gradient_allreduce,
+                                      skip_shared_memory_allreduce)
 from pairsim.config import ConfigError, OptimConfig, RunConfig, TrainConfig, merge
 from pairsim.build import build_objective
 from pairsim.losses import Objective, temperatures
@@ -189,6 +190,7 @@ def create_engine(cfg: RunConfig, ds_config: dict[str, Any], objective: Objectiv
         logger.info("%s of %s parameters train", f"{trainable:,}", f"{sum(p.numel() for p in module.parameters()):,}")
     engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config,
                                            model_parameters=parameter_groups(module, cfg.optim.weight_decay))
+    skip_one_rank_gradient_allreduce(engine)
     return engine
 
 
