@@ -100,8 +100,9 @@ def skip_one_rank_gradient_allreduce(engine) -> bool:
     pairsim-tiny (``bench_train``'s profile), paid by every one-worker run and sweep trial.
     What it leaves besides the values it started with is kept: at the accumulation boundary a
     trainable parameter that got no gradient gets zeros (so weight decay and Adam's moments
-    still move it, as on more ranks). Under bf16 it is not left out: there it rounds the fp32
-    gradients to bf16 and back (``communication_data_type``), on one rank as on many."""
+    still move it, as on more ranks). Not left out where it sends gradients in another dtype
+    (``communication_data_type``): DeepSpeed's ``BF16_Optimizer`` rounds its fp32 gradients to
+    bf16 and back through it, on one rank as on many."""
     import torch
 
     trainable = [p for p in engine.module.parameters() if p.requires_grad]
