@@ -220,8 +220,8 @@ def test_the_one_rank_allreduce_left_out_changes_no_bit_of_training(precision):
 
 
 def _allreduces_of_a_zero_0_step(rank, world):
-    """The all-reduces of one step of pairsim's engine at ZeRO-0 (no gradient clipping, whose norm
-    is one)."""
+    """The all-reduces of one step of pairsim's engine at ZeRO-0, without gradient clipping (its
+    global norm is an all-reduce of its own)."""
     from pairsim.config import load_config
     from pairsim.train import engine as engines
     from test_train import fixed_inputs
