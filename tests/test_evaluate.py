@@ -304,7 +304,7 @@ def test_screened_metrics_are_exact_where_bfloat16_cannot_tell_keys_apart(proble
     queries, keys, ql, kl = problem()
     reference = reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10))
     screened, resolved = [], []
-    for name, calls in (("_screened_block_values", screened), ("_exact_first_ranks", resolved)):
+    for name, calls in (("_Screen", screened), ("_exact_first_ranks", resolved)):
         original = getattr(metrics_module, name)
         monkeypatch.setattr(metrics_module, name, lambda *a, original=original, calls=calls: calls.append(len(a[0]))
                             or original(*a))
@@ -347,6 +347,25 @@ def test_screened_queries_that_drop_a_possible_top_key_are_scored_exactly(monkey
         reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :], (1, 5, 10)), abs=1e-9)
     assert sum(replaced) > 0
 
+
+
+@SCREENED
+def test_screened_query_blocks_share_one_pass_over_the_keys(monkeypatch):
+    """Query blocks are screened SCREENED_TOGETHER at a time, in one pass over the keys each; a
+    block among them with more positive pairs than the budget (its queries share a label of 30
+    keys) takes the float32 path instead, in its place (untrained queries: the median's exact
+    passes would otherwise rank other queries); the metrics are the reference's."""
+    queries, keys, ql, kl = near_tied_problem(4, n_images=120, untrained=1.0)
+    kl[:30], ql[16:32] = 999, 999  # block 1 (queries 16–31): 16 × 30 pairs; the others at most 16 × 5
+    screened, keys_passes = [], metrics_module._screen_keys
+    monkeypatch.setattr(metrics_module, "SCREENED_TOGETHER", 3)
+    monkeypatch.setattr(metrics_module, "POSITIVE_PAIR_BUDGET", 200)
+    monkeypatch.setattr(metrics_module, "_screen_keys", lambda screens, *a: screened.append(
+        [len(screen.queries) for screen in screens]) or keys_passes(screens, *a))
+    found = blocked_retrieval_metrics(queries, keys, ql, kl, query_block=16, key_block=128)
+    assert found == pytest.approx(reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :],
+                                                    (1, 5, 10)), abs=1e-9)
+    assert screened == [[16, 16], [16, 16, 16], [16, 8]]
 
 def test_screen_error_bounds_bfloat16_products_against_exact_scores():
     """Every bfloat16 product o lies within ε + u/(1 − u)·|o| of the exact score (float64 of

@@ -56,8 +56,13 @@ the error bound of its D-th score, are rescored one key at a time, a cost that g
 class labels (D = R, in the hundreds) take the float32 path."""
 
 SCREEN_SPARE = 64
-"""Keys beyond D that a screened query keeps in its running list (:func:`_screened_block_values`):
+"""Keys beyond D that a screened query keeps in its running list (:class:`_Screen`):
 a query whose list drops one that might still belong to its top D is scored exactly instead."""
+
+SCREENED_TOGETHER = 8
+"""Query blocks :func:`blocked_retrieval_metrics` screens in one pass over the keys
+(:func:`_screen_keys`), each key block rounded to bfloat16 once for them all, not once per
+query block."""
 
 GATHER_BUDGET = 1 << 22
 """Most embedding entries :func:`_row_scores` gathers at a time (16 MB)."""
@@ -181,7 +186,7 @@ def _candidate_columns(scores: torch.Tensor, depth: int, floor: torch.Tensor, ma
     both the floor and the row's ``depth``-th largest group maximum can hold such a column (any
     other lies below ``depth`` others: those in the top so far, or one in each of those groups),
     so the cut is the larger of the two — the floor alone while no row has more than ``depth``
-    groups reaching it. For screened scores (:func:`_screened_block_values`) ``lowered`` takes
+    groups reaching it. For screened scores (:class:`_Screen`) ``lowered`` takes
     a group cut down to the lowest screened score that can still reach it exactly, as ``floor``
     is already."""
     cut = floor
@@ -516,13 +521,10 @@ def _count_bounds(scores: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor
     return surely, possibly
 
 
-def _screened_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labels: torch.Tensor,
-                           key_labels: torch.Tensor, n_positive: torch.Tensor,
-                           pairs: tuple[torch.Tensor, torch.Tensor], self_keys: torch.Tensor | None, depth: int,
-                           key_block: int, key_norms: _KeyNorms) -> tuple[QueryValues, torch.Tensor, torch.Tensor]:
-    """(:class:`QueryValues`, upper bounds, overflowed) of one block of queries from bfloat16
-    products: exact but for the first ranks past the top D, which are lower bounds, with their
-    upper bounds beside; and the queries whose values cannot be trusted (overflowed).
+class _Screen:
+    """One block of queries screened with bfloat16 products, key block by key block
+    (:meth:`add`), then valued (:meth:`values`): exact but for the first ranks past the top D,
+    which come as ranges; queries whose values cannot be trusted are marked (overflowed).
 
     A screened score o lies within ε + u/(1 − u)·|o| of the exact one (ε: :func:`_screen_error`,
     the inputs' and the sums' rounding; u: the product's rounding to bfloat16, 2⁻⁸). So the D
@@ -540,49 +542,77 @@ def _screened_block_values(queries: torch.Tensor, keys: torch.Tensor, query_labe
     inputs' rounding: a query with no positive in its top D has its first rank between 1 + the
     first count (and D + 1) and the second.
     """
-    n_queries, n_keys = len(queries), len(keys)
-    counted = n_positive > 0
-    positives = _row_scores(queries, keys, _packed_by_row(*pairs, n_queries, fill=n_keys))
-    best = torch.where(counted, positives.amax(1) if positives.shape[1] else 0.0, 0.0).double()
-    rounded = queries.bfloat16()
-    error = _screen_error(queries, rounded.float(), key_norms)
-    margin = error + compat.torch.BF16_PRODUCT_ROUNDING * (best.abs() + error)
-    lower = torch.where(counted, _below(best - margin), torch.inf)
-    upper = torch.where(counted, _above(best + margin), torch.inf)
-    width = depth + SCREEN_SPARE
-    listed = _rank_keys(torch.full((n_queries, width), -torch.inf), torch.full((n_queries, width), n_keys))
-    dropped = torch.full((n_queries,), -torch.inf)  # the best screened score dropped from the list
-    surely, possibly = (torch.zeros(n_queries, dtype=torch.long) for _ in range(2))
-    buffer, spare = (torch.empty(n_queries, -(-min(key_block, n_keys) // TOP_GROUP) * TOP_GROUP) for _ in range(2))
 
-    def cut() -> torch.Tensor:
-        return _screened_cut(_key_scores(listed[:, depth - 1]), error)
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, n_positive: torch.Tensor,
+                 pairs: tuple[torch.Tensor, torch.Tensor], self_keys: torch.Tensor | None, depth: int,
+                 key_norms: _KeyNorms):
+        n_queries, n_keys = len(queries), len(keys)
+        self.queries, self.n_positive, self.self_keys, self.depth = queries, n_positive, self_keys, depth
+        counted = n_positive > 0
+        positives = _row_scores(queries, keys, _packed_by_row(*pairs, n_queries, fill=n_keys))
+        best = torch.where(counted, positives.amax(1) if positives.shape[1] else 0.0, 0.0).double()
+        self.rounded = queries.bfloat16()
+        self.error = _screen_error(queries, self.rounded.float(), key_norms)
+        margin = self.error + compat.torch.BF16_PRODUCT_ROUNDING * (best.abs() + self.error)
+        self.lower = torch.where(counted, _below(best - margin), torch.inf)
+        self.upper = torch.where(counted, _above(best + margin), torch.inf)
+        width = depth + SCREEN_SPARE
+        self.listed = _rank_keys(torch.full((n_queries, width), -torch.inf), torch.full((n_queries, width), n_keys))
+        self.dropped = torch.full((n_queries,), -torch.inf)  # the best screened score dropped from the list
+        self.surely, self.possibly = (torch.zeros(n_queries, dtype=torch.long) for _ in range(2))
 
-    for start in range(0, n_keys, key_block):
-        block = keys[start:start + key_block].bfloat16()
-        scores = _masked(compat.torch.bf16_inner_products(rounded, block, buffer.view(-1)[:n_queries * len(block)].view(
-            n_queries, len(block))), start, self_keys)
+    def _cut(self) -> torch.Tensor:
+        return _screened_cut(_key_scores(self.listed[:, self.depth - 1]), self.error)
+
+    def add(self, block: torch.Tensor, start: int, buffer: torch.Tensor, spare: torch.Tensor) -> None:
+        """Screens the keys ``start`` on, ``block`` (rounded to bfloat16); ``buffer`` and
+        ``spare`` are flat floats, at least the queries × the block's width (a multiple of
+        :data:`TOP_GROUP`) each."""
+        n_queries, width = len(self.rounded), self.listed.shape[1]
+        scores = _masked(compat.torch.bf16_inner_products(self.rounded, block, buffer[:n_queries * len(block)].view(
+            n_queries, len(block))), start, self.self_keys)
         maxima = _group_maxima(scores)
-        candidate_rows, columns = _candidate_columns(scores, depth, cut(), maxima,
-                                                     lambda group_cut: _screened_cut(group_cut, error))
+        candidate_rows, columns = _candidate_columns(scores, self.depth, self._cut(), maxima,
+                                                     lambda group_cut: _screened_cut(group_cut, self.error))
         if len(candidate_rows):
-            merged = torch.cat([listed, _packed_by_row(candidate_rows, _rank_keys(
+            merged = torch.cat([self.listed, _packed_by_row(candidate_rows, _rank_keys(
                 scores[candidate_rows, columns], columns + start), n_queries)], 1).topk(width + 1, 1).values
-            listed, next_best = merged[:, :width], merged[:, width]
-            dropped = torch.maximum(dropped, torch.where(next_best == _NO_KEY, -torch.inf, _key_scores(next_best)))
-        block_surely, block_possibly = _count_bounds(scores, lower, upper, maxima, spare)
-        surely += block_surely
-        possibly += block_possibly
-    final_cut = cut()
-    survivor_rows, slots = (_key_scores(listed) >= final_cut[:, None]).nonzero().unbind(1)
-    survivors = _packed_by_row(survivor_rows, _key_indices(listed[survivor_rows, slots]), n_queries, fill=n_keys)
-    top = _rank_keys(torch.cat([_row_scores(queries, keys, survivors), torch.full((n_queries, depth), -torch.inf)], 1),
-                     torch.cat([survivors, torch.full((n_queries, depth), n_keys)], 1)).topk(depth, 1).values
-    hits, first_rank = _ranked_hits(top, query_labels, key_labels)
-    missing = counted & ~hits.any(1)
-    lowest = torch.where(missing, torch.clamp(surely + 1, min=depth + 1), first_rank)
-    return (query_values(hits, n_positive, lowest), torch.where(missing, possibly, first_rank)[counted],
-            dropped >= final_cut)
+            self.listed, next_best = merged[:, :width], merged[:, width]
+            self.dropped = torch.maximum(self.dropped, torch.where(next_best == _NO_KEY, -torch.inf,
+                                                                   _key_scores(next_best)))
+        surely, possibly = _count_bounds(scores, self.lower, self.upper, maxima, spare)
+        self.surely += surely
+        self.possibly += possibly
+
+    def values(self, keys: torch.Tensor, query_labels: torch.Tensor,
+               key_labels: torch.Tensor) -> tuple[QueryValues, torch.Tensor, torch.Tensor]:
+        """(:class:`QueryValues`, upper bounds, overflowed) once every key block was added: the
+        first ranks past the top D are lower bounds, with their upper bounds beside."""
+        n_queries, n_keys, depth = len(self.queries), len(keys), self.depth
+        final_cut = self._cut()
+        survivor_rows, slots = (_key_scores(self.listed) >= final_cut[:, None]).nonzero().unbind(1)
+        survivors = _packed_by_row(survivor_rows, _key_indices(self.listed[survivor_rows, slots]), n_queries,
+                                   fill=n_keys)
+        top = _rank_keys(torch.cat([_row_scores(self.queries, keys, survivors),
+                                    torch.full((n_queries, depth), -torch.inf)], 1),
+                         torch.cat([survivors, torch.full((n_queries, depth), n_keys)], 1)).topk(depth, 1).values
+        hits, first_rank = _ranked_hits(top, query_labels, key_labels)
+        counted = self.n_positive > 0
+        missing = counted & ~hits.any(1)
+        lowest = torch.where(missing, torch.clamp(self.surely + 1, min=depth + 1), first_rank)
+        return (query_values(hits, self.n_positive, lowest), torch.where(missing, self.possibly, first_rank)[counted],
+                self.dropped >= final_cut)
+
+
+def _screen_keys(screens: Sequence[_Screen], keys: torch.Tensor, key_block: int) -> None:
+    """Adds every block of ``key_block`` keys to each of ``screens`` (:meth:`_Screen.add`),
+    rounding it to bfloat16 once for them all."""
+    width = -(-min(key_block, len(keys)) // TOP_GROUP) * TOP_GROUP
+    buffer, spare = (torch.empty(max(len(screen.rounded) for screen in screens) * width) for _ in range(2))
+    for start in range(0, len(keys), key_block):
+        block = keys[start:start + key_block].bfloat16()
+        for screen in screens:
+            screen.add(block, start, buffer, spare)
 
 
 def _with_exact(values: QueryValues, highest: torch.Tensor, replaced: torch.Tensor,
@@ -671,10 +701,11 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     ``screen``: on a CPU that multiplies bfloat16 natively
     (:func:`pairsim.compat.torch.native_bf16_products`), with D ≤ :data:`SCREEN_MAX_DEPTH` and
     every positive pair of a query block listed, the block is scored by bfloat16 products
-    (about twice as fast) and screened (:func:`_screened_block_values`): its top D and best
+    (about twice as fast) and screened (:class:`_Screen`): its top D and best
     positives are rescored exactly, first ranks past D come as ranges, and only the queries whose
-    range can move the median rank (:func:`_median_resolved`) take the exact pass. The metrics
-    are the same either way.
+    range can move the median rank (:func:`_median_resolved`) take the exact pass. Up to
+    :data:`SCREENED_TOGETHER` query blocks are screened in one pass over the keys, their states
+    (O(q·(d + D)) each) held together. The metrics are the same either way.
     """
     with torch.device(queries.device):  # every tensor made here on the embeddings' device
         queries, keys = queries.float(), keys.float()
@@ -703,23 +734,33 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
                                        sorted_labels, n_positive[rows], None if self_keys is None else self_keys[rows],
                                        depth, key_block)
 
-        parts, highest = [], []
-        for start in range(0, len(queries), query_block):
-            block = slice(start, start + query_block)
+        def screen(block: slice) -> _Screen | None:  # None: not every positive pair of the block listed
             pairs = _positive_pairs(query_labels[block], None if self_keys is None else self_keys[block],
-                                    keys_by_label, sorted_labels) if screened else None
-            if pairs is not None and len(pairs[0]) == int(n_positive[block].sum()):  # every positive pair listed
-                values, high, overflowed = _screened_block_values(
-                    queries[block], keys, query_labels[block], key_labels, n_positive[block], pairs,
-                    None if self_keys is None else self_keys[block], depth, key_block, key_norms)
-                if overflowed.any():
-                    values, high = _with_exact(values, high, overflowed[n_positive[block] > 0],
-                                               exact(overflowed.nonzero().squeeze(1) + start))
-            else:
-                values = exact(block)
-                high = values.first_rank
-            parts.append(values.cpu())
-            highest.append(high.cpu())
+                                    keys_by_label, sorted_labels)
+            if len(pairs[0]) < int(n_positive[block].sum()):
+                return None
+            return _Screen(queries[block], keys, n_positive[block], pairs,
+                           None if self_keys is None else self_keys[block], depth, key_norms)
+
+        parts, highest = [], []
+        starts = range(0, len(queries), query_block)
+        for group in (starts[at:at + SCREENED_TOGETHER] for at in range(0, len(starts), SCREENED_TOGETHER)):
+            screens = {start: found for start in group if screened
+                       and (found := screen(slice(start, start + query_block))) is not None}
+            if screens:
+                _screen_keys(list(screens.values()), keys, key_block)
+            for start in group:
+                block = slice(start, start + query_block)
+                if start in screens:
+                    values, high, overflowed = screens.pop(start).values(keys, query_labels[block], key_labels)
+                    if overflowed.any():
+                        values, high = _with_exact(values, high, overflowed[n_positive[block] > 0],
+                                                   exact(overflowed.nonzero().squeeze(1) + start))
+                else:
+                    values = exact(block)
+                    high = values.first_rank
+                parts.append(values.cpu())
+                highest.append(high.cpu())
         values = QueryValues(*(torch.cat([getattr(part, field) for part in parts])
                                for field in ("first_rank", "average_precision", "r_precision")),
                              sum(part.n_without_positive for part in parts))
