@@ -311,8 +311,7 @@ def run_plain_synthetic(cfg: RunConfig, steps: int, profile_steps: int = 0) -> d
     objective.to(device)
     params = parameter_groups(torch.nn.ModuleList([model, objective]), cfg.optim.weight_decay)
     trained = [param for group in params for param in group["params"]]
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-                                  fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps, fused=True)
     inputs, normalize = synthetic_inputs(cfg, device), clip.PixelNormalizer(cfg.model)
     autocast = cfg.train.precision in ("bf16", "amp_bf16")
 

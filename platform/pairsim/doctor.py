@@ -99,8 +99,7 @@ def compiler(cfg: RunConfig) -> list[Finding]:
         found.append(Finding("TORCH_CUDA_ARCH_LIST", arch_list + (f" (DeepSpeed ops get {normalised!r})"
                                                                   if normalised != arch_list else "")))
     problem = engine.deepspeed_ops_problem()
-    optimizer = ("torch.optim.AdamW" + (" (fused)" if cfg.train.use_gpu else "") if cfg.optim.impl == "torch"
-                 else "DeepSpeed FusedAdam")
+    optimizer = "torch.optim.AdamW (fused)" if cfg.optim.impl == "torch" else "DeepSpeed FusedAdam"
     found.append(Finding("optimizer", optimizer + ("" if cfg.optim.impl == "torch" else
                                                    f": {problem}" if problem else ": can be built or is pre-built"),
                          blocking=cfg.optim.impl == "deepspeed" and problem is not None))

@@ -85,10 +85,11 @@ def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -
         "torch_autocast": {"enabled": train.precision == "amp_bf16", "dtype": "bfloat16"},
         "optimizer": {
             "type": "AdamW",
-            # torch_adam: DeepSpeed builds torch.optim.AdamW with the other params (fused: one kernel on GPU)
+            # torch_adam: DeepSpeed builds torch.optim.AdamW with the other params; fused: one kernel over
+            # every parameter, on a GPU or a CPU (a CPU step of pairsim-tiny's 85 tensors: 25 ms one by one, 3 fused)
             "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
                        "torch_adam": optim.impl == "torch"}
-            | ({"fused": True} if optim.impl == "torch" and train.use_gpu else {}),
+            | ({"fused": True} if optim.impl == "torch" else {}),
         },
         "scheduler": {
             "type": "WarmupCosineLR",
