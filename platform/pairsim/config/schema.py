@@ -207,8 +207,9 @@ class OptimConfig(Section):
     min_lr_ratio: Float = Field(0.0, ge=0.0, le=1.0, description="final LR as a share of lr")
     grad_clip: Float = Field(1.0, ge=0.0, description="global norm; 0 disables clipping")
     impl: Literal["torch", "deepspeed"] = Field(
-        "torch", description="torch: torch.optim.AdamW (fused on GPU), no compiler needed; deepspeed: DeepSpeed's "
-                             "FusedAdam, a CUDA op built with nvcc on first use unless DeepSpeed was installed with it")
+        "torch", description="torch: torch.optim.AdamW (fused, on a GPU or a CPU), no compiler needed; deepspeed: "
+                             "DeepSpeed's FusedAdam, a CUDA op built with nvcc on first use unless DeepSpeed was "
+                             "installed with it")
 
 
 DEEPSPEED_OWNED_KEYS = {
