@@ -348,7 +348,6 @@ def test_screened_queries_that_drop_a_possible_top_key_are_scored_exactly(monkey
     assert sum(replaced) > 0
 
 
-
 @SCREENED
 def test_screened_query_blocks_share_one_pass_over_the_keys(monkeypatch):
     """Query blocks are screened SCREENED_TOGETHER at a time, in one pass over the keys each; a
@@ -366,6 +365,7 @@ def test_screened_query_blocks_share_one_pass_over_the_keys(monkeypatch):
     assert found == pytest.approx(reference_metrics(queries.double() @ keys.double().T, ql[:, None] == kl[None, :],
                                                     (1, 5, 10)), abs=1e-9)
     assert screened == [[16, 16], [16, 16, 16], [16, 8]]
+
 
 def test_screen_error_bounds_bfloat16_products_against_exact_scores():
     """Every bfloat16 product o lies within ε + u/(1 − u)·|o| of the exact score (float64 of

@@ -693,7 +693,8 @@ def blocked_retrieval_metrics(queries: torch.Tensor, keys: torch.Tensor, query_l
     every block then updates a running top-D, D = max(max(ks), largest R), and counts the keys
     ranked above the best positive, so a query with no positive in its top D (an untrained
     model's) has its exact first rank from the same scores, not from more passes. A query block
-    is summarised (:func:`query_values`) before the next starts. With
+    is summarised (:func:`query_values`) before the next starts (a group of screened blocks, below,
+    after their shared pass). With
     q = min(query_block, ⌊TOP_DEPTH_BUDGET / D⌋), memory is O(q·(key_block·KEPT_SCORE_BLOCKS + D))
     for the block plus O(Q) for the per-query values (4 numbers each), whatever Q·D. It runs on
     the embeddings' device (a training worker's GPU); the per-query values come back to the host.

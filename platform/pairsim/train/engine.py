@@ -86,7 +86,7 @@ def deepspeed_config(train: TrainConfig, optim: OptimConfig, total_steps: int) -
         "optimizer": {
             "type": "AdamW",
             # torch_adam: DeepSpeed builds torch.optim.AdamW with the other params; fused: one kernel over
-            # every parameter, on a GPU or a CPU (a CPU step of pairsim-tiny's 85 tensors: 25 ms one by one, 3 fused)
+            # every parameter, on a GPU or a CPU (docs/benchmarks.md: what it saves a CPU step)
             "params": {"lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
                        "torch_adam": optim.impl == "torch"}
             | ({"fused": True} if optim.impl == "torch" else {}),
