@@ -4,15 +4,21 @@ before any work and leaves no stale file; every command maps bad input to one li
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, ConfigDict
 
-from pairsim import cli, locks
+from pairsim import cli, locks, untrusted
 from pairsim.data import shards, synth
 from pairsim.data.builder import BUILD_LOCK
-from pairsim.outputs import OutputRefused, check_file_target, claim_directory
+from pairsim.errors import shown
+from pairsim.outputs import Marker, OutputRefused, check_file_target, claim_directory
+from pairsim.storage import Location, NotARegularFile
+from pairsim.untrusted import UntrustedFileError
 
 SMALL = ["--num-train", "12", "--num-val", "4", "--num-test", "0", "--rows-per-shard", "5"]
 
@@ -88,16 +94,47 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_output(tmp_path, c
         assert {k: v for k, v in tree_digest(out).items() if k != BUILD_LOCK} == before
 
 
+class MarkCard(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    made_by: Literal["pairsim-test"]
+
+
+MARK = Marker("mark", MarkCard)
+
+
 def test_claim_directory_tells_owned_from_foreign(tmp_path):
-    assert claim_directory(tmp_path / "new", "--out", ["mark"]).path == str(tmp_path / "new")
+    assert claim_directory(tmp_path / "new", "--out", [MARK]).path == str(tmp_path / "new")
     (tmp_path / "lock-only").mkdir()
     (tmp_path / "lock-only" / "x.lock").write_text("{}")
-    claim_directory(tmp_path / "lock-only", "--out", ["mark"], ignored=["x.lock"])  # empty but for a lock
+    claim_directory(tmp_path / "lock-only", "--out", [MARK], ignored=["x.lock"])  # empty but for a lock
     (tmp_path / "lock-only" / "data.bin").write_text("foreign")
     with pytest.raises(OutputRefused, match="data.bin"):  # a lock proves nothing about the rest
-        claim_directory(tmp_path / "lock-only", "--out", ["mark"], ignored=["x.lock"])
-    (tmp_path / "lock-only" / "mark").write_text("{}")
-    claim_directory(tmp_path / "lock-only", "--out", ["mark"])
+        claim_directory(tmp_path / "lock-only", "--out", [MARK], ignored=["x.lock"])
+    (tmp_path / "lock-only" / "mark").write_text('{"made_by": "pairsim-test"}')
+    claim_directory(tmp_path / "lock-only", "--out", [MARK])
+
+
+@pytest.mark.parametrize("content", ["{}", '{"made_by": "someone"}', "not json", '{"made_by": "pairsim-test", '
+                                     '"made_by": "pairsim-test"}', "link"])
+def test_a_marker_named_right_that_is_not_the_card_proves_nothing(tmp_path, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "users-file.txt").write_text("mine")
+    if content == "link":  # a link to a real card elsewhere
+        (tmp_path / "real-mark").write_text('{"made_by": "pairsim-test"}')
+        (out / "mark").symlink_to(tmp_path / "real-mark")
+    else:
+        (out / "mark").write_text(content)
+    with pytest.raises(OutputRefused, match="not one pairsim wrote") as refused:
+        claim_directory(out, "--out", [MARK])
+    assert "mark" in str(refused.value)
+
+
+def test_an_output_directory_that_is_a_link_is_refused(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    with pytest.raises(OutputRefused, match="symbolic link"):
+        claim_directory(tmp_path / "out", "--out", [MARK])
 
 
 def test_check_file_target_refuses_all_but_a_new_or_owned_file(tmp_path):
@@ -210,3 +247,42 @@ def test_a_model_from_an_unreachable_mlflow_server_is_refused_in_seconds(tmp_pat
     assert "no MLflow server answers" in one_line_failure(capsys, status, 2)
     assert time.monotonic() - started < 60  # MLflow's own client retries for minutes
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the one reader of a user-named path (issue 78)
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device"])
+def test_a_pipe_device_or_directory_is_refused_unread_and_without_blocking(tmp_path, kind):
+    path = {"fifo": tmp_path / "pipe", "directory": tmp_path, "device": Path("/dev/zero")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)  # nobody writes to it: a blocking open would wait for ever
+    with pytest.raises(UntrustedFileError, match="not a regular file"):
+        Location.of(path).read_bounded(1 << 20, UntrustedFileError, "too big")
+    with pytest.raises(NotARegularFile):
+        untrusted.sha256(path)
+
+
+@pytest.mark.parametrize("recorded", [10**15, 2**63 - 1])
+def test_a_read_bound_taken_from_a_file_is_capped_by_the_file(tmp_path, recorded):
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"x" * 100)  # a card may record any size: the read allocates what the file holds
+    assert Location.of(path).read_bounded(recorded, UntrustedFileError, "too big") == b"x" * 100
+    with pytest.raises(UntrustedFileError, match="larger than 99 bytes"):
+        Location.of(path).read_bounded(99, UntrustedFileError, "too big")
+
+
+def test_a_key_twice_in_a_file_read_back_is_refused(tmp_path):
+    path = tmp_path / "card.json"
+    path.write_text('{"a": 1, "b": {"c": 1, "c": 2}}')  # the second c would replace the first unseen
+    with pytest.raises(UntrustedFileError, match="'c' appears twice"):
+        untrusted.read_json(path, 1 << 20)
+    path.write_text('{"c": 1}\n{"c": 1, "c": 2}\n')
+    with pytest.raises(UntrustedFileError, match="line 2"):
+        untrusted.read_json_lines(path, dict[str, int], 1 << 20)
+
+
+def test_text_from_a_users_file_is_shown_cut_and_escaped():
+    assert shown("a\nb\x1b[2J\rc\x00") == "a\\nb\\x1b[2J\\rc\\x00"  # no line, no terminal escape
+    assert shown("ü" * 10, 4) == "üüüü… (6 more)"
+    assert shown("plain words") == "plain words"

@@ -19,10 +19,11 @@ from pairsim.commands.runs import (DEMO_CONFIG, DEMO_SWEEP, OBJECTIVES, SweepFai
 from pairsim.commands.runs import demo as _demo  # looked up here when the parser is built: a test stands in for it
 from pairsim.config import ConfigError, load_config
 from pairsim.data.builder import BuildError
-from pairsim.data.synth import MIN_IMAGE_SIZE
+from pairsim.data.synth import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
 from pairsim.errors import InputError
 from pairsim.locks import NameInUse
 from pairsim.signals import JobStopped, stop_on_signals
+from pairsim.storage import NotARegularFile
 
 __all__ = ["DEMO_CONFIG", "DEMO_SWEEP", "OBJECTIVES", "add_shards_parser", "build_parser", "exit_status", "main",
            "objective_config", "shipped_objectives"]  # the names other code and tests take from here
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--num-train", type=int_at_least(0), default=10_000, help="0: no train split")
     synth.add_argument("--num-val", type=int_at_least(0), default=500, help="0: no val split")
     synth.add_argument("--num-test", type=int_at_least(0), default=500, help="0: no test split")
-    synth.add_argument("--image-size", type=int_at_least(MIN_IMAGE_SIZE), default=64)
+    synth.add_argument("--image-size", type=int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE), default=64)
     synth.add_argument("--rows-per-shard", type=int_at_least(1), default=2_000)
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--hard-negatives", nargs="+", choices=["val", "test"], default=[],
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
 
-USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+USER_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError,
+                    NotARegularFile)
 
 
 def exit_status(exc: Exception) -> int | None:

@@ -9,3 +9,16 @@ from __future__ import annotations
 class InputError(ValueError):
     """A flag, config, file, directory or name the user gave that pairsim refuses; the message
     names it and says what is wrong. Exit status 2."""
+
+
+MAX_SHOWN = 200  # characters of a value from a user's file that a message or a listing shows
+
+
+def shown(value: object, limit: int = MAX_SHOWN) -> str:
+    """``value`` as pairsim prints text it did not write (a caption, an id, a line of a file, a
+    lock's holder): cut to ``limit`` characters (then "… (N more)") and every character that is
+    not printable escaped (``\\n``, ``\\x1b``), so no input can add a line, move the cursor or
+    fill the terminal."""
+    text = str(value)
+    cut = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
+    return cut + (f"… ({len(text) - limit:,} more)" if len(text) > limit else "")

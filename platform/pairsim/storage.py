@@ -13,12 +13,15 @@ resolved from the environment, so Ray tasks and workers reach the same store.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 import tempfile
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from typing import BinaryIO
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -29,6 +32,23 @@ _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _SECRET_PARAM = re.compile(r"secret|token|password|passwd|credential|signature|key", re.IGNORECASE)
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # where pyarrow's S3 finds its endpoint
 _FS_SCHEME = {"s3": "s3", "gcs": "gs", "hdfs": "hdfs", "abfs": "abfs"}  # pyarrow type_name -> URI scheme
+
+
+class NotARegularFile(OSError):
+    """A path that names a named pipe, a device, a socket or a directory where a file is read."""
+
+    def __init__(self, path: str, kind: str):
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+
+
+def file_kind(mode: int) -> str:
+    """What ``st_mode`` says a path is: "a directory", "a named pipe", "a file", …"""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a file")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def is_uri(value: str | Path) -> bool:
@@ -178,19 +198,43 @@ class Location:
                 for i in sorted(found, key=lambda i: i.path)
                 if i.type == pafs.FileType.File and i.base_name.endswith(suffix)]
 
-    def open_input(self):
-        return self.fs.open_input_stream(self.path)
+    def open_input(self) -> tuple[BinaryIO, int | None]:
+        """This file opened for reading, and its size (None where a store does not say): a regular file only. A named pipe, a
+        device, a socket or a directory is refused (:class:`NotARegularFile`) without blocking
+        on it: a local path is opened non-blocking and checked on the open descriptor."""
+        if not self.is_local:
+            info = self.info()
+            if info.type != pafs.FileType.File:
+                raise FileNotFoundError(errno.ENOENT, "not found", self.uri) if info.type == pafs.FileType.NotFound \
+                    else NotARegularFile(self.uri, "a directory")
+            return self.fs.open_input_stream(self.path), info.size
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            mode, size = (st := os.fstat(fd)).st_mode, st.st_size
+            if not stat.S_ISREG(mode):
+                raise NotARegularFile(self.path, file_kind(mode))
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb"), size
+        except BaseException:
+            os.close(fd)
+            raise
 
     def read_bytes(self) -> bytes:
-        with self.open_input() as f:
-            return f.read()
+        stream, _ = self.open_input()
+        with stream:
+            return stream.read()
 
     def read_bounded(self, max_bytes: int, error: type[Exception], too_big: str) -> bytes:
-        """The file's bytes, at most ``max_bytes`` read (a user's file may be anything): ``error``
-        naming it when it cannot be read, or is larger ("larger than N bytes, ``too_big``")."""
+        """The file's bytes, at most ``max_bytes`` read and never more than it holds (a user's
+        file may be anything; ``max_bytes`` may be a size read from another file): ``error``
+        naming it when it is no regular file, cannot be read, or is larger ("larger than N
+        bytes, ``too_big``")."""
         try:
-            with self.open_input() as f:
-                data = f.read(max_bytes + 1)
+            stream, size = self.open_input()
+            with stream:
+                if size is not None and size > max_bytes:
+                    raise error(f"{self}: larger than {max_bytes:,} bytes, {too_big}")
+                data = stream.read((max_bytes if size is None else size) + 1)  # +1: grown since, or larger
         except OSError as exc:
             raise error(f"{self}: cannot be read ({exc.strerror or exc})") from None
         if len(data) > max_bytes:

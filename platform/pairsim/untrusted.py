@@ -9,17 +9,20 @@ Which files of a run, sweep or dataset directory are as trusted as code: docs/re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from pairsim.config import format_errors
-from pairsim.errors import InputError
+from pairsim.errors import InputError, shown
 from pairsim.storage import Location, LocationLike
 
+MAX_CARD_BYTES = 1 << 20  # a card or marker as pairsim writes it: a few kB
 PLAIN_NAME = r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,199}"  # one directory level: no '..', no hidden name, no separator
 
 
@@ -37,11 +40,26 @@ def read_json(source: LocationLike, max_bytes: int, error: type[Exception] = Unt
     location = Location.of(source)
     data = location.read_bounded(max_bytes, error, "not a file pairsim writes")
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except DuplicateKey as exc:
+        raise error(f"{location}: not JSON pairsim writes ({exc})") from None
     except ValueError as exc:  # not UTF-8 or not JSON
         raise error(f"{location}: not JSON ({exc})") from None
     except RecursionError:
         raise error(f"{location}: not JSON pairsim writes (nested too deeply)") from None
+
+
+class DuplicateKey(ValueError):
+    """A JSON object with a key twice: the second would silently replace the first."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in tree:
+            raise DuplicateKey(f"the key {shown(key, 80)!r} appears twice in one object")
+        tree[key] = value
+    return tree
 
 
 def read_model(source: LocationLike, kind: type[Model], max_bytes: int,
@@ -65,11 +83,25 @@ def read_json_lines(source: LocationLike, row: Any, max_bytes: int,
     adapter, rows, number = TypeAdapter(row), [], 1
     try:
         for number, line in enumerate(data.decode("utf-8").splitlines(), 1):
-            rows.append(adapter.validate_python(json.loads(line), strict=True))
+            rows.append(adapter.validate_python(json.loads(line, object_pairs_hook=_unique_keys), strict=True))
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or not a row (ValidationError)
         raise error(f"{location}: line {number} is not what pairsim writes "
-                    f"({str(exc).splitlines()[0][:200]})") from None
+                    f"({shown(str(exc).splitlines()[0])})") from None
     return rows
+
+
+@contextlib.contextmanager
+def parsing(source: LocationLike, what: str, error: type[Exception] = UntrustedFileError) -> Iterator[None]:
+    """The ``with`` block hands bytes read from ``source`` to a third-party parser (pyarrow,
+    faiss, PIL): whatever the parser raises on bytes it cannot read becomes ``error`` naming
+    the file and ``what`` it should be, in one line."""
+    try:
+        yield
+    except (ValueError, RuntimeError, TypeError, OSError, EOFError, MemoryError) as exc:  # pyarrow's, faiss's
+        if isinstance(exc, error):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise error(f"{source}: not {what} pairsim can read ({type(exc).__name__}: {shown(first)})") from None
 
 
 def is_plain_name(name: object) -> bool:
@@ -81,15 +113,16 @@ def child(root: LocationLike, name: str, what: str, error: type[Exception] = Unt
     """``root / name`` for a ``name`` read from a file (a split, a shard, a trial): ``error``
     naming ``what`` unless it is one plain name, so the path stays under ``root``."""
     if not is_plain_name(name):
-        raise error(f"{what}: {str(name)[:80]!r} is not a plain file or directory name; it could lead outside "
+        raise error(f"{what}: {shown(name, 80)!r} is not a plain file or directory name; it could lead outside "
                     f"{root}")
     return Location.of(root) / name
 
 
 def sha256(source: LocationLike) -> str:
     """The SHA-256 of the file at ``source``, read in blocks."""
-    with Location.of(source).open_input() as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    stream, _ = Location.of(source).open_input()
+    with stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 def verify_digest(source: LocationLike, expected: str, error: type[Exception] = UntrustedFileError) -> None:

@@ -28,7 +28,7 @@ from pairsim import locks, outputs, untrusted
 from pairsim.config import ConfigError
 from pairsim.data import sources
 from pairsim.data.build_config import BuildConfig
-from pairsim.data.shards import (MANIFEST, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, read_rejects,
+from pairsim.data.shards import (MANIFEST, MAX_MANIFEST_BYTES, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, read_rejects,
                                  reject_summary, shard_name, write_manifest, write_shard)
 from pairsim.log import get_logger
 from pairsim.registry import DATA_FORMATS
@@ -105,6 +105,8 @@ BUILD_LOCK = "pairsim-build.lock"  # in the output while a build writes it (pair
 MARKERS = ".build"
 STARTED = f"{MARKERS}/build.json"  # written before any shard: the output is a build's, killed or not
 MAX_MARKER_BYTES = 64 * 2**20  # a shard's rejects included
+DATASET = outputs.Marker(MANIFEST, Manifest, MAX_MANIFEST_BYTES)  # a dataset: a split is added beside the others
+BUILD_STARTED = outputs.Marker(STARTED, BuildConfig, MAX_MARKER_BYTES)  # a build killed before its manifest
 
 
 class ShardMarker(BaseModel):
@@ -270,7 +272,7 @@ def build(cfg: BuildConfig, progress: bool = True) -> Manifest:
     while it writes (:data:`BUILD_LOCK`): a second build into it is refused
     (:class:`pairsim.locks.NameInUse`).
     """
-    out = outputs.claim_directory(cfg.out, "--out", owned_by=(MANIFEST, STARTED), ignored=(REJECTS, BUILD_LOCK))
+    out = outputs.claim_directory(cfg.out, "--out", owned_by=(DATASET, BUILD_STARTED), ignored=(REJECTS, BUILD_LOCK))
     with locks.hold(out / BUILD_LOCK, f"--out {cfg.out}"):
         return _build(cfg, out, progress)
 
@@ -305,7 +307,7 @@ def _build(cfg: BuildConfig, out: Location, progress: bool) -> Manifest:
             raise ConfigError(f"--val-share {cfg.val_share}: of {len(records)} images none would stay in "
                               f"{'val' if all(r.split == 'val' for r in records) else cfg.split}; change the share")
     built = sorted({r.split for r in records})
-    (out / STARTED).write_text(cfg.model_dump_json() + "\n")
+    (out / STARTED).write_text(cfg.model_dump_json(exclude_defaults=True) + "\n")  # as BUILD_STARTED reads it
     others = _other_splits(out, built)
     plans = plan_shards(records, cfg)
     _remove_leftovers(out, plans, built)

@@ -25,7 +25,6 @@ byte-identical for the same arguments.
 from __future__ import annotations
 
 import io
-import json
 import math
 import random
 import re
@@ -33,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from PIL import Image, ImageDraw
+from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from pairsim import locks, outputs
@@ -105,6 +105,7 @@ class SceneObject:
 
 
 MIN_IMAGE_SIZE = 24  # pixels a side: the smallest that draws a 3×3 scene
+MAX_IMAGE_SIZE = 1024  # pixels a side: the shard builder's default max_side; each image is drawn in memory
 
 
 class SynthError(InputError):
@@ -237,6 +238,22 @@ def make_record(seed: int, split: str, index: int, image_size: int, captions: st
 
 
 MARKER = ".pairsim-synth.json"  # in a dataset generate() wrote: its arguments, written before any shard
+
+
+class SynthArguments(BaseModel):
+    """:data:`MARKER`: the arguments a dataset was generated with."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    num_train: int = Field(ge=0)
+    num_val: int = Field(ge=0)
+    num_test: int = Field(ge=0)
+    image_size: int = Field(ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE)
+    seed: int
+    rows_per_shard: int = Field(ge=1)
+    captions: str = "scene"
+    hard_negatives: list[str] = []
+
+
 VARIANTS = ("colour", "shape", "relation")  # what each member after a family's first changes
 FAMILIES_VERSION = 2  # 2: a family's objects 1 and 2 are never same_kind (1 drew them as they came)
 
@@ -304,8 +321,9 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
     file is written, and a second writer by the lock (:class:`pairsim.locks.NameInUse`).
     ``captions``: ``scene`` (5 captions an image) or ``object_labels`` (one label text);
     ``hard_negatives``: the val/test splits built of hard-negative families (train never is)."""
-    if image_size < MIN_IMAGE_SIZE:
-        raise SynthError(f"image_size must be >= {MIN_IMAGE_SIZE} to draw 3×3 scenes, got {image_size}")
+    if not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
+        raise SynthError(f"image_size must be between {MIN_IMAGE_SIZE} (a 3×3 scene) and {MAX_IMAGE_SIZE}, "
+                         f"got {image_size:,}")
     if captions not in CAPTION_STYLES:
         raise SynthError(f"captions must be one of {', '.join(CAPTION_STYLES)}, got {captions!r}")
     if unknown := set(hard_negatives) - {"val", "test"}:
@@ -320,9 +338,10 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
     arguments = {"num_train": num_train, "num_val": num_val, "num_test": num_test, "image_size": image_size,
                  "seed": seed, "rows_per_shard": rows_per_shard, "captions": captions,
                  "hard_negatives": sorted(hard_negatives)}
-    out = outputs.claim_directory(out, "--out", owned_by=[MARKER], ignored=[BUILD_LOCK])
+    out = outputs.claim_directory(out, "--out", owned_by=[outputs.Marker(MARKER, SynthArguments)],
+                                  ignored=[BUILD_LOCK])
     with locks.hold(out / BUILD_LOCK, f"--out {out}"):
-        (out / MARKER).write_text(json.dumps(arguments))  # first: the directory is this command's output
+        (out / MARKER).write_text(SynthArguments(**arguments).model_dump_json())  # first: the directory is this command's output
         (out / shards.MANIFEST).delete()  # a run never reads a half-written dataset
         for split in sizes:  # an earlier, larger dataset's shards would stay beside the new ones
             for shard in (out / split).files(".parquet"):

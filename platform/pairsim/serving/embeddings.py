@@ -184,7 +184,8 @@ class Output:
 def claim_output(out: LocationLike) -> Location:
     """``out`` as an embeddings directory to write (new, empty, or an embedding job's);
     :class:`~pairsim.outputs.OutputRefused` otherwise."""
-    return outputs.claim_directory(out, "--out", owned_by=[MANIFEST], ignored=[LOCK])
+    return outputs.claim_directory(out, "--out", owned_by=[outputs.Marker(MANIFEST, EmbeddingsManifest, MAX_MANIFEST_BYTES)],
+                                   ignored=[LOCK])
 
 
 def open_output(root: Location, wanted: EmbeddingsManifest) -> Output:

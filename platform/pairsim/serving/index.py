@@ -128,6 +128,9 @@ class IndexCard(BaseModel):
         return [index_file(name) for name in self.modalities] + [ROWS_FILE]
 
 
+CARD = outputs.Marker(CARD_FILE, IndexCard, MAX_CARD_BYTES)  # what makes a directory an index pairsim wrote
+
+
 def index_file(modality: str) -> str:
     return f"index.{modality}.faiss"
 
@@ -194,7 +197,7 @@ class Index:
         """Write the index into ``out`` (new, empty or an index directory: claimed before any
         write, under a lock): ``index.json`` first — it makes the directory pairsim's, and holds
         the SHA-256 of the files that follow, so a half-written directory is refused on load."""
-        out = outputs.claim_directory(out, "index directory", owned_by=[CARD_FILE], ignored=[LOCK_FILE])
+        out = outputs.claim_directory(out, "index directory", owned_by=[CARD], ignored=[LOCK_FILE])
         faiss = import_faiss()
         buffer = io.BytesIO()
         pq.write_table(self.rows, buffer)

@@ -10,7 +10,7 @@ import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,13 @@ class StoreManifest(BaseModel):
     skipped_images: dict[str, str] = {}
 
 
+class ExtractionStarted(BaseModel):
+    """:data:`STARTED`, written before the first feature file: the directory is an extraction's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    command: Literal["extract-teacher"] = "extract-teacher"
+
+
 class StoreError(ConfigError):
     """``loss.cusa.teacher_features`` whose manifest is not what :func:`extract` writes."""
 
@@ -49,7 +56,8 @@ class StoreError(ConfigError):
 def claim_output(out: Path) -> Path:
     """``out`` as :func:`extract`'s output (returned): new, empty, or an extraction's
     (:class:`pairsim.outputs.OutputRefused` otherwise), created."""
-    outputs.claim_directory(out, "--out", owned_by=[STORE_MANIFEST, STARTED])
+    outputs.claim_directory(out, "--out", owned_by=[outputs.Marker(STORE_MANIFEST, StoreManifest, MAX_STORE_MANIFEST_BYTES),
+                                                 outputs.Marker(STARTED, ExtractionStarted)])
     Path(out).mkdir(parents=True, exist_ok=True)
     return Path(out)
 
@@ -154,7 +162,7 @@ def extract(cfg: RunConfig, teachers: dict[str, Teacher], out: Path, splits: Seq
         raise ConfigError("loss.cusa: extraction needs loss.cusa with an image_teacher and a text_teacher")
     out = claim_output(out)
     manifest = shards.read_manifest(cfg.data.path)
-    (out / STARTED).touch()
+    (out / STARTED).write_text(ExtractionStarted().model_dump_json())
     skipped: dict[str, str] = {}
     for split in splits:
         rows = ingest.read_split(cfg, split, ["image", "image_id", "captions"], include_paths=True)
