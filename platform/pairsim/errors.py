@@ -22,3 +22,10 @@ def shown(value: object, limit: int = MAX_SHOWN) -> str:
     text = str(value)
     cut = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text[:limit])
     return cut + (f"… ({len(text) - limit:,} more)" if len(text) > limit else "")
+
+
+def described(exc: BaseException) -> str:
+    """A third-party exception as one line of a pairsim message: its type and the first line of
+    its text, :func:`shown` (an SQL statement, a C++ trace or a file's bytes stay out)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {shown(text.splitlines()[0])}" if text else type(exc).__name__

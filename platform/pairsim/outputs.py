@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel
 
 from pairsim import storage, untrusted
-from pairsim.errors import InputError
+from pairsim.errors import InputError, shown
 from pairsim.storage import Location, LocationLike, file_kind, local_storage_problem
 
 
@@ -70,8 +70,9 @@ def claim_directory(out: LocationLike, what: str, owned_by: Iterable[Marker], ig
         try:
             marker.read(location)
         except untrusted.UntrustedFileError as exc:
-            raise OutputRefused(f"{what} {location}: its {marker.name} is not one pairsim wrote ({exc}); writing "
-                                "there could replace a user's files; choose a new or empty directory") from None
+            raise OutputRefused(f"{what} {location}: its {marker.name} is not one pairsim wrote "
+                                f"({shown(' '.join(str(exc).split()), 300)}); writing there could replace a user's "
+                                "files; choose a new or empty directory") from None
         _check_writable(location, what)
         return location
     if foreign := [f for f in location.files(recursive=True) if f.name not in ignored]:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from pairsim.config import format_errors
-from pairsim.errors import InputError, shown
+from pairsim.errors import InputError, described, shown
 from pairsim.storage import Location, LocationLike
 
 MAX_CARD_BYTES = 1 << 20  # a card or marker as pairsim writes it: a few kB
@@ -100,8 +100,7 @@ def parsing(source: LocationLike, what: str, error: type[Exception] = UntrustedF
     except (ValueError, RuntimeError, TypeError, OSError, EOFError, MemoryError) as exc:  # pyarrow's, faiss's
         if isinstance(exc, error):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise error(f"{source}: not {what} pairsim can read ({type(exc).__name__}: {shown(first)})") from None
+        raise error(f"{source}: not {what} pairsim can read ({described(exc)})") from None
 
 
 def is_plain_name(name: object) -> bool:

@@ -46,6 +46,10 @@ FORMAT_VERSION = 1
 MANIFEST = "embeddings.json"
 LOCK = ".embed.lock"
 MAX_MANIFEST_BYTES = 256 * 2**20  # a line per output shard and per skipped image: millions of images fit
+MAX_DIM = 1 << 16  # an embedding's width read back: open_clip's widest are 1,024–1,280
+MAX_ROWS = 1 << 40  # rows of one file read back (a trillion)
+MAX_FILE_BYTES = 1 << 40  # bytes of one file read back (1 TiB); a read is also bounded by what the file holds
+MAX_SOURCE_CHARS = 4096  # a path, URI or run a manifest or card says it came from
 MODALITIES = ("image", "text")
 Modality = Literal["image", "text"]
 
@@ -63,6 +67,10 @@ def _plain_name(name: str) -> str:
 
 PlainName = Annotated[str, AfterValidator(_plain_name)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Source = Annotated[str, Field(max_length=MAX_SOURCE_CHARS)]
+RowCount = Annotated[int, Field(ge=0, le=MAX_ROWS)]
+FileBytes = Annotated[int, Field(ge=0, le=MAX_FILE_BYTES)]
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
 
 
 class OutputShard(BaseModel):
@@ -72,8 +80,8 @@ class OutputShard(BaseModel):
     file: PlainName
     modality: Modality
     input_shard: PlainName
-    rows: int = Field(ge=0)
-    bytes: int = Field(ge=0)
+    rows: RowCount
+    bytes: FileBytes
     sha256: Sha256
 
 
@@ -83,11 +91,11 @@ class EmbeddingsManifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     format_version: int = Field(ge=1, le=FORMAT_VERSION, description="a newer pairsim's format is refused")
     model_digest: Sha256 = Field(description="pairsim.models.retrieval.model_digest of the export")
-    model_source: str = Field(description="where the model came from: an export's path, a run, a checkpoint")
-    dim: int = Field(ge=1)
-    data_path: str
-    split: str
-    split_content_hash: str = Field(description="the split's content hash in the data's manifest.json")
+    model_source: Source = Field(description="where the model came from: an export's path, a run, a checkpoint")
+    dim: Dim
+    data_path: Source
+    split: PlainName
+    split_content_hash: Sha256 = Field(description="the split's content hash in the data's manifest.json")
     modalities: list[Modality]
     input_shards: list[PlainName] = Field(description="the split's shards, each to be embedded")
     shards: list[OutputShard] = []
@@ -144,7 +152,8 @@ def _read_shard(location: Location, shard: OutputShard, schema: pa.Schema) -> pa
     if hashlib.sha256(data).hexdigest() != shard.sha256:
         raise EmbeddingsError(f"{location}: its content differs from the SHA-256 pairsim recorded when it wrote it "
                               "(altered or cut short since); re-run `pairsim embed` after removing it and its record")
-    table = pq.read_table(pa.BufferReader(data))
+    with untrusted.parsing(location, "a Parquet file", EmbeddingsError):
+        table = pq.read_table(pa.BufferReader(data))
     if not table.schema.equals(schema) or table.num_rows != shard.rows:
         raise EmbeddingsError(f"{location}: not the {shard.rows} rows of {schema} the manifest records")
     return table

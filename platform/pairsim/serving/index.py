@@ -33,9 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pairsim import locks, outputs, untrusted
+from pairsim.serving.embeddings import MAX_ROWS, Dim, FileBytes, PlainName, Sha256, Source
 from pairsim.config import ConfigError, Int, Section, format_errors
 from pairsim.errors import InputError
 from pairsim.log import get_logger
@@ -49,6 +50,8 @@ CARD_FILE = "index.json"
 LOCK_FILE = "pairsim-index.lock"  # in the directory while an index is written into it (pairsim.locks)
 MAX_CARD_BYTES = 1 << 20  # index.json as written: well under a kilobyte
 ROW_COLUMNS = ("id", "modality", "image_id", "caption", "source")
+ROWS_SCHEMA = pa.schema([(name, pa.string()) for name in ROW_COLUMNS])
+FAISS_CLASSES = {"flat": ("IndexFlatIP",), "hnsw": ("IndexHNSWFlat",), "ivfpq": ("IndexIVFPQ", "IndexRefineFlat")}
 MIN_POINTS_PER_CENTROID = 39  # faiss's k-means warns below this many training vectors a centroid
 NORM_TOLERANCE = 1e-3
 
@@ -102,8 +105,8 @@ def parse_spec(values: Mapping[str, Any], source: str = "index") -> FlatSpec | H
 
 class FileRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: FileBytes
+    sha256: Sha256
 
 
 class IndexCard(BaseModel):
@@ -112,12 +115,12 @@ class IndexCard(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     format_version: Literal[1]
     spec: IndexSpec
-    dim: int = Field(ge=1)
-    modalities: dict[Annotated[str, StringConstraints(pattern=f"^{untrusted.PLAIN_NAME}$")], Annotated[int, Field(ge=1)]]
-    model_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    model_source: str
-    embeddings_source: str
-    files: dict[str, FileRecord]
+    dim: Dim
+    modalities: dict[PlainName, Annotated[int, Field(ge=1, le=MAX_ROWS)]]
+    model_digest: Sha256
+    model_source: Source
+    embeddings_source: Source
+    files: dict[PlainName, FileRecord]
 
     @property
     def count(self) -> int:
@@ -254,19 +257,32 @@ def load_index(directory: LocationLike) -> Index:
         raise IndexFileError(f"{directory / CARD_FILE}: files: lists {', '.join(sorted(card.files))}, not "
                              f"{', '.join(card.file_names())}")
     *parts, rows = (_verified_bytes(directory / name, card.files[name]) for name in card.file_names())
-    rows = pq.read_table(pa.BufferReader(rows))
-    index = Index({}, rows, card)
-    for (name, part), data in zip(index.modalities.items(), parts):
-        index.parts[name] = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
-        if (index.parts[name].d, index.parts[name].ntotal) != (card.dim, len(part)):
-            raise IndexFileError(f"{directory / index_file(name)}: holds {index.parts[name].ntotal} vectors of dim "
-                                 f"{index.parts[name].d}; {CARD_FILE} says {len(part)} of dim {card.dim}")
+    with untrusted.parsing(directory / ROWS_FILE, "a Parquet file", IndexFileError):
+        rows = pq.read_table(pa.BufferReader(rows))
     expected = np.repeat(list(card.modalities), list(card.modalities.values()))
-    if rows.column_names != list(ROW_COLUMNS) or rows.num_rows != card.count or \
+    if not rows.schema.equals(ROWS_SCHEMA) or rows.num_rows != card.count or \
             not np.array_equal(rows.column("modality").to_numpy(zero_copy_only=False), expected):
         raise IndexFileError(f"{directory / ROWS_FILE}: not the {card.count} rows of {', '.join(ROW_COLUMNS)} "
                              f"grouped by modality that {CARD_FILE} describes")
+    index = Index({}, rows, card)
+    for (name, part), data in zip(index.modalities.items(), parts):
+        location = directory / index_file(name)
+        with untrusted.parsing(location, "a faiss index", IndexFileError):
+            index.parts[name] = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        _check_part(faiss, index.parts[name], card, len(part), location)
     return index
+
+
+def _check_part(faiss, part, card: IndexCard, count: int, location: Location) -> None:
+    """:class:`IndexFileError` unless the faiss index read from ``location`` is what the card
+    says: its kind (:data:`FAISS_CLASSES`), inner product, the card's dim and ``count`` vectors."""
+    found = type(faiss.downcast_index(part)).__name__
+    if found not in FAISS_CLASSES[card.spec.kind] or part.metric_type != faiss.METRIC_INNER_PRODUCT:
+        raise IndexFileError(f"{location}: a {found} index (metric {part.metric_type}), not the {card.spec.kind} "
+                             f"inner-product index {CARD_FILE} describes")
+    if (part.d, part.ntotal) != (card.dim, count):
+        raise IndexFileError(f"{location}: holds {part.ntotal} vectors of dim {part.d}; {CARD_FILE} says {count} of "
+                             f"dim {card.dim}")
 
 
 def picture_grid(hits: Sequence[Hit], images: Callable[[list[str]], Mapping[str, Any]], path: Path,
@@ -363,7 +379,7 @@ def _checked_vectors(vectors: Any, what: str, dim: int | None = None) -> np.ndar
 
 
 def _checked_rows(rows: pa.Table, count: int) -> pa.Table:
-    """``rows`` with :data:`ROW_COLUMNS` (strings; ``id`` unique and set), one a vector."""
+    """``rows`` as :data:`ROWS_SCHEMA` (strings; ``id`` unique and set), one a vector."""
     if missing := [c for c in ROW_COLUMNS if c not in rows.column_names]:
         raise InputError(f"rows: no column {', '.join(missing)} (needs {', '.join(ROW_COLUMNS)})")
     if rows.num_rows != count:
@@ -377,7 +393,7 @@ def _checked_rows(rows: pa.Table, count: int) -> pa.Table:
         raise InputError("rows: id and modality must be set on every row")
     if len(pc.unique(ids)) != count:
         raise InputError("rows: id: ids repeat; each row needs its own")
-    return rows
+    return rows.cast(ROWS_SCHEMA)
 
 
 def _record(data: bytes) -> FileRecord:

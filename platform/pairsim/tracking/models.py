@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from pairsim import storage
+from pairsim.errors import described
 from pairsim.log import get_logger
 from pairsim.models import retrieval
 from pairsim.tracking.runs import context_tags, create_run
@@ -35,7 +36,7 @@ def download_run_model(run_id: str, tracking_uri: str, out: str | Path) -> list[
                                                              tracking_uri=tracking_uri, dst_path=tmp))
         except Exception as exc:  # MLflow raises several types for a missing run or artifact
             raise FileNotFoundError(f"run {run_id} in {storage.masked(tracking_uri)}: no exported model under "
-                                    f"{MODEL_ARTIFACTS}/ ({exc})") from None
+                                    f"{MODEL_ARTIFACTS}/ ({described(exc)})") from None
         if not (local / "model.pt").is_file():
             raise FileNotFoundError(f"run {run_id}: {MODEL_ARTIFACTS}/ holds no model.pt")
         return retrieval.copy_exported(local / "model.pt", out)

@@ -4,6 +4,7 @@ restarts (found by its Ray Train run name), a sweep's parent and child runs, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -18,6 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from pairsim import storage
 from pairsim.config import ConfigError, RunConfig, check_tracking_uri
+from pairsim.errors import shown
 from pairsim.log import get_logger
 
 logger = get_logger("tracking")
@@ -58,21 +60,54 @@ REACHABLE_TIMEOUT_S = 10.0
 def check_reachable(uri: str, timeout: float = REACHABLE_TIMEOUT_S) -> None:
     """Fail fast, naming ``tracking.tracking_uri`` (masked), when the MLflow store cannot be
     reached: a tracking server must answer ``/health`` within ``timeout`` seconds (MLflow's
-    client retries for minutes first), a sqlite store's directory must be writable."""
+    client retries for minutes first), a sqlite store's directory must be writable, and a file
+    already there an MLflow store (:func:`sqlite_store_problem`)."""
     import requests
 
-    shown = storage.masked(uri)
+    masked = storage.masked(uri)
     if uri.startswith(("http://", "https://")):
         try:
             requests.get(uri.rstrip("/") + "/health", timeout=timeout)
         except requests.RequestException as exc:
-            raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {shown} within {timeout:g} s "
+            raise ConfigError(f"tracking.tracking_uri: no MLflow server answers at {masked} within {timeout:g} s "
                               f"({type(exc).__name__}); start it or point tracking.tracking_uri / "
                               "MLFLOW_TRACKING_URI elsewhere") from None
     elif uri.startswith("sqlite:///"):
-        directory = Path(uri.removeprefix("sqlite:///")).parent
-        if not os.access(directory, os.W_OK):
-            raise ConfigError(f"tracking.tracking_uri: {shown}: cannot write to {directory}")
+        path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+        if not os.access(path.parent, os.W_OK):
+            raise ConfigError(f"tracking.tracking_uri: {masked}: cannot write to {path.parent}")
+        if os.path.lexists(path) and (problem := sqlite_store_problem(path)):
+            raise ConfigError(f"tracking.tracking_uri: {masked}: {problem}; MLflow would create its tables in it, "
+                              "so point it at an MLflow store or a new file")
+
+
+MLFLOW_TABLES = {"experiments", "runs"}  # tables every MLflow SQL store has
+
+
+def sqlite_store_problem(path: Path) -> str | None:
+    """Why the file at ``path`` is not an SQLite store MLflow may open (None when it is one, or
+    empty): not a regular file, not SQLite, or an SQLite database without MLflow's tables (a
+    user's own). Read without following what the file says, and without writing to it."""
+    import sqlite3
+
+    try:
+        stream, size = storage.Location.of(path).open_input()
+        with stream:
+            header = stream.read(16)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if size == 0:
+        return None
+    if header != b"SQLite format 3\x00":
+        return "not an SQLite database"
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.Error as exc:
+        return f"an SQLite database that cannot be read ({shown(exc)})"
+    if tables and not MLFLOW_TABLES <= tables:
+        return f"an SQLite database of other tables ({shown(', '.join(sorted(tables)), 80)}), not MLflow's"
+    return None
 
 
 def context_tags() -> dict[str, str]:
