@@ -107,3 +107,19 @@ def test_a_run_over_an_altered_shard_stops_with_one_line_naming_it(tiny_dataset,
     client = MlflowClient(uri)
     run, = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FAILED"
+
+
+def test_a_shard_that_does_not_parse_fails_the_read_in_one_line_naming_it(dataset, ray_instance):
+    """Data pages that do not parse under a valid footer, their SHA-256 recorded to match: the
+    read fails with one line naming the shard, not pyarrow's error from inside a read task."""
+    from test_dataset_safety import _garble_pages, _record_as_they_are
+
+    from pairsim.data.shards import ShardError
+
+    victim = sorted((dataset / "train").glob("*.parquet"))[1]
+    _garble_pages(victim, keep_footer=True)
+    _record_as_they_are(dataset, "train")
+    with pytest.raises(ShardError) as caught:
+        image_ids(ingest.read_split(config(dataset, "error"), "train", ["image_id"]))
+    assert cli._message(caught.value).startswith(f"{victim}: not a Parquet shard")
+    assert "\n" not in cli._message(caught.value)

@@ -469,12 +469,14 @@ def test_a_key_twice_in_one_tar_is_rejected_not_replaced(tmp_path):
 @pytest.mark.parametrize("fmt", ["csv", "folder", "karpathy"])
 def test_image_paths_cannot_leave_the_images_root(fmt, tmp_path):
     """``..``, an absolute path and a symlink out each name a readable image outside the root:
-    each is rejected (the builder would otherwise read and store any file), the good one kept."""
+    each is rejected (the builder would otherwise read and store any file), the good one kept.
+    (Two spellings of one file are one image, rejected once: the absolute path names another.)"""
     root = tmp_path / "dataset"
     _gradients(root, 1)
-    _gradient(30, 30).save(tmp_path / "secret.png")
+    for name in ("secret.png", "other.png"):
+        _gradient(30, 30).save(tmp_path / name)
     (root / "imgs" / "link.png").symlink_to(tmp_path / "secret.png")
-    names = ["imgs/000.png", "../secret.png", str(tmp_path / "secret.png"), "imgs/link.png"]
+    names = ["imgs/000.png", "../secret.png", str(tmp_path / "other.png"), "imgs/link.png"]
     if fmt == "csv":
         (root / "list.csv").write_text("filepath\ttitle\n" + "".join(f"{n}\tx\n" for n in names))
         listing = sources.list_csv(root / "list.csv", root, "train")

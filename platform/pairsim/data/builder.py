@@ -28,11 +28,11 @@ from pairsim import locks, outputs, untrusted
 from pairsim.config import ConfigError
 from pairsim.data import sources
 from pairsim.data.build_config import BuildConfig
-from pairsim.data.shards import (MANIFEST, MAX_MANIFEST_BYTES, REJECTS, SCHEMA_VERSION, Manifest, read_manifest, read_rejects,
-                                 reject_summary, shard_name, write_manifest, write_shard)
+from pairsim.data.shards import (MANIFEST, MAX_MANIFEST_BYTES, REJECTS, SCHEMA_VERSION, Count, Manifest, read_manifest,
+                                 read_rejects, reject_summary, shard_name, write_manifest, write_shard)
 from pairsim.log import get_logger
 from pairsim.registry import DATA_FORMATS
-from pairsim.storage import Location
+from pairsim.storage import Location, NotARegularFile
 
 logger = get_logger("shards")
 
@@ -43,6 +43,20 @@ class RejectedImage(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
+
+
+UNREADABLE = ((FileNotFoundError, "missing file"), (NotARegularFile, "not a regular file"),
+              (sources.ImageTooLarge, "file too large"), (OSError, "unreadable file"))  # the first that matches
+
+
+def read_image(image: sources.ImageRef) -> bytes:
+    """The image's bytes (:meth:`~pairsim.data.sources.ImageRef.read`: a regular file, bounded);
+    :class:`RejectedImage` with the reason of :data:`UNREADABLE` when they cannot be read."""
+    try:
+        return image.read()
+    except OSError as exc:
+        reason = next(reason for kind, reason in UNREADABLE if isinstance(exc, kind))
+        raise RejectedImage(reason, f"{image.path}: {exc.strerror or exc}") from None
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -115,10 +129,10 @@ class ShardMarker(BaseModel):
 
     model_config = ConfigDict(frozen=True)
     fingerprint: str
-    images: int
-    captions: int
+    images: Count
+    captions: Count
     rejects: list[dict[str, str]]
-    bytes: int
+    bytes: Count
     sha256: str
 
 
@@ -184,12 +198,7 @@ class BuildShard:
         for r in body["records"]:
             record = sources.Record(**{**r, "image": sources.ImageRef(**r["image"])})
             try:
-                try:
-                    raw = record.image.read()
-                except OSError as exc:
-                    raise RejectedImage("missing file" if isinstance(exc, FileNotFoundError) else "unreadable file",
-                                        f"{record.image.path}: {exc.strerror or exc}") from None
-                image, width, height = clean_image(raw, self.max_side, self.jpeg_quality)
+                image, width, height = clean_image(read_image(record.image), self.max_side, self.jpeg_quality)
             except RejectedImage as exc:
                 rejects.append(sources.Reject("image", record.source, exc.reason, exc.detail, record.image_id).to_json())
                 continue

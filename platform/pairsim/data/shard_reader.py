@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from ray.data.datasource import FileBasedDatasource
 
+from pairsim import untrusted
 from pairsim.data.shards import ShardError
 from pairsim.data.skips import Skips
 
@@ -38,7 +39,8 @@ def mismatch_message(path: str, actual: str, expected: str) -> str:
 class VerifiedParquetDatasource(FileBasedDatasource):
     """Parquet shards, each read whole, hashed, checked against ``digests`` (file name →
     SHA-256; a name not there is not checked) and parsed from the same bytes, ``columns`` only:
-    one block per file."""
+    one block per file. Bytes that do not parse are a :class:`ShardError` naming the shard
+    (:func:`pairsim.untrusted.parsing`), not pyarrow's traceback."""
 
     _FILE_EXTENSIONS = ["parquet"]
 
@@ -58,7 +60,9 @@ class VerifiedParquetDatasource(FileBasedDatasource):
                 raise ShardChecksumError(mismatch_message(path, actual, expected))
             self._record_skipped(data, path, actual, expected)
             return
-        yield pq.read_table(pa.BufferReader(data), columns=self._columns)
+        with untrusted.parsing(path, "a Parquet shard", ShardError):
+            table = pq.read_table(pa.BufferReader(data), columns=self._columns)
+        yield table
 
     def _record_skipped(self, data: bytes, path: str, actual: str, expected: str) -> None:
         reason = f"in {path}, left out: its SHA-256 {actual[:16]}… is not the manifest's {expected[:16]}…"
@@ -70,9 +74,11 @@ class VerifiedParquetDatasource(FileBasedDatasource):
             self._skips.add(dict.fromkeys(ids, reason))
 
 
-def checksum_failure(error: BaseException) -> ShardChecksumError | None:
-    """The :class:`ShardChecksumError` behind ``error`` (a Ray task's, or a worker group's, whose
-    ``worker_failures`` hold each rank's), as a plain one to report in a line; None if none is."""
+def checksum_failure(error: BaseException) -> ShardError | None:
+    """The shard failure behind ``error`` (a Ray task's, or a worker group's, whose
+    ``worker_failures`` hold each rank's) — a :class:`ShardChecksumError`, or a
+    :class:`ShardError` for a shard that does not parse — as a plain one of its class to
+    report in a line; None if none is."""
     seen: set[int] = set()
     pending = [error]
     while pending:
@@ -80,8 +86,9 @@ def checksum_failure(error: BaseException) -> ShardChecksumError | None:
         if exc is None or id(exc) in seen:
             continue
         seen.add(id(exc))
-        if isinstance(exc, ShardChecksumError):  # its first line: Ray Data appends its retry advice to the message
-            return ShardChecksumError(str((getattr(exc, "cause", None) or exc).args[0]).split("\n", 1)[0])
+        if isinstance(exc, ShardError):  # its first line: Ray Data appends its retry advice to the message
+            cause = getattr(exc, "cause", None) or exc
+            return type(cause)(str(cause.args[0]).split("\n", 1)[0])
         pending += [getattr(exc, "cause", None), exc.__cause__, exc.__context__,
                     *getattr(exc, "worker_failures", {}).values()]
     return None

@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -36,13 +36,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from pairsim import outputs, untrusted
 from pairsim.config import DataConfig
-from pairsim.storage import Location, LocationLike, filesystem_and_paths
+from pairsim.errors import shown
+from pairsim.storage import Location, LocationLike
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 64 * 2**20  # half a million shards' SHA-256s fit; a larger file is not one pairsim wrote
 REJECTS = "rejects.jsonl"
 MAX_REJECTS_BYTES = 1 << 30  # a line per rejected image or caption: millions of lines fit
+MAX_COUNT = 10**12  # images, captions, shards, rejects or a shard's bytes: LAION-5B has 5.9·10^9 pairs
+PARQUET_TAIL = 8  # a Parquet file ends in its footer's length (4 bytes, little-endian) and b"PAR1"
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]  # a count read back from a manifest or a build marker
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -118,6 +123,29 @@ def content_hash(split_hashes: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
+def footer_sha256(stream: BinaryIO, size: int) -> str:
+    """The SHA-256 of a Parquet file's footer — its schema and each row group's column offsets,
+    sizes and statistics — with the :data:`PARQUET_TAIL` after it, read from the end of
+    ``stream`` (``size`` bytes long): what tells one shard from another, even of as many rows
+    and bytes, without reading its data. ValueError when the file ends in no Parquet footer."""
+    if size < 2 * PARQUET_TAIL:
+        raise ValueError(f"{size} bytes, too short for Parquet")
+    stream.seek(size - PARQUET_TAIL)
+    tail = stream.read(PARQUET_TAIL)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or length > size - 2 * PARQUET_TAIL:
+        raise ValueError("it does not end in a Parquet footer")
+    stream.seek(size - PARQUET_TAIL - length)
+    return hashlib.sha256(stream.read(length) + tail).hexdigest()
+
+
+def read_footer(shard: Location) -> tuple[int, str]:
+    """A shard's rows and :func:`footer_sha256`, its footer alone read; :class:`ShardError` naming
+    it when it is no Parquet file (:func:`pairsim.untrusted.parsing`)."""
+    with untrusted.parsing(shard, "a Parquet shard", ShardError), shard.fs.open_input_file(shard.path) as f:
+        return pq.read_metadata(f).num_rows, footer_sha256(f, f.size())
+
+
 class ShardError(OSError):
     """A shard or manifest that is not what it should be: unreadable, or holding other rows."""
 
@@ -143,17 +171,19 @@ def split_dir(root: LocationLike, split: str) -> Location:
 
 
 class SplitInfo(BaseModel):
-    """One split in ``manifest.json``: its counts, content hash and each shard's SHA-256 (none in
-    a manifest written before pairsim recorded them). What a builder adds (``captions_recoded``,
-    ``duplicate_image_ids``, its ``build`` options) rides along as extra fields."""
+    """One split in ``manifest.json``: its counts, content hash, each shard's SHA-256 and its
+    footer's (:func:`footer_sha256`; either none in a manifest written before pairsim recorded
+    them). What a builder adds (``captions_recoded``, ``duplicate_image_ids``, its ``build``
+    options) rides along as extra fields."""
 
     model_config = ConfigDict(frozen=True, extra="allow")
-    images: int
-    captions: int
-    shards: int
+    images: Count
+    captions: Count
+    shards: Count
     content_hash: str
     shard_sha256: dict[PlainName, str] = {}
-    rejected: int = 0
+    shard_footer_sha256: dict[PlainName, str] = {}
+    rejected: Count = 0
     source: str = ""
 
 
@@ -165,7 +195,7 @@ class Manifest(BaseModel):
     schema_version: int = Field(ge=1, le=SCHEMA_VERSION, description="a newer pairsim's format is refused, not guessed at")
     source: str
     splits: dict[PlainName, SplitInfo]
-    rejected: int
+    rejected: Count
     content_hash: str
 
     def split(self, name: str) -> SplitInfo:
@@ -173,6 +203,19 @@ class Manifest(BaseModel):
         if name not in self.splits:
             raise FileNotFoundError(f"split {name!r} not in the manifest (it has {', '.join(sorted(self.splits))})")
         return self.splits[name]
+
+    def hash_problems(self) -> list[str]:
+        """The content hashes here that are not what the manifest's own records give, each as
+        ``field: why``: a split's against its shards' SHA-256s (:func:`split_content_hash`; a
+        split that lists none is not checked) and the dataset's against its splits'
+        (:func:`content_hash`). Only the shards' bytes tell whether the records are true
+        (:func:`verify_dataset`)."""
+        problems = [f"splits.{name}.content_hash: not the hash of its shard_sha256"
+                    for name, info in sorted(self.splits.items())
+                    if info.shard_sha256 and split_content_hash(name, info.shard_sha256) != info.content_hash]
+        if content_hash({name: info.content_hash for name, info in self.splits.items()}) != self.content_hash:
+            problems.append("content_hash: not the hash of its splits' content_hash")
+        return problems
 
 
 def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, Any]],
@@ -186,6 +229,8 @@ def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, 
     for name, counts in splits.items():
         if not counts.get("content_hash"):  # a split written now (one carried over from a previous build keeps its own)
             counts["shard_sha256"] = shard_digests(root, name, digests)
+            counts["shard_footer_sha256"] = {shard.name: read_footer(shard)[1]
+                                             for shard in split_dir(root, name).files(".parquet")}
             counts["content_hash"] = split_content_hash(name, counts["shard_sha256"])
     manifest = {
         "schema_version": SCHEMA_VERSION,
@@ -199,10 +244,14 @@ def write_manifest(root: LocationLike, source: str, splits: dict[str, dict[str, 
     return Manifest.model_validate(manifest)
 
 
-def read_manifest(root: LocationLike) -> Manifest:
+def read_manifest(root: LocationLike, check_hashes: bool = True) -> Manifest:
     """``root``'s manifest, read as untrusted input (:mod:`pairsim.untrusted`: at most
-    :data:`MAX_MANIFEST_BYTES`, every split and shard a plain name); FileNotFoundError when
-    there is none, :class:`ManifestError` naming the file when it is not one."""
+    :data:`MAX_MANIFEST_BYTES`, every split and shard a plain name, every count at most
+    :data:`MAX_COUNT`) and, with ``check_hashes``, its content hashes those its records give
+    (:meth:`Manifest.hash_problems`: a hash edited or zeroed is not trained on, nor logged as the
+    dataset's digest); FileNotFoundError when there is none, :class:`ManifestError` naming the
+    file and the field when it is not one. ``shards verify`` reads it without ``check_hashes``:
+    it checks the hashes against the shards themselves, and names each that differs."""
     path = Location.of(root) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(
@@ -211,10 +260,14 @@ def read_manifest(root: LocationLike) -> Manifest:
         )
     tree = untrusted.read_json(path, MAX_MANIFEST_BYTES, ManifestError)
     try:
-        return Manifest.model_validate(tree)
+        manifest = Manifest.model_validate(tree)
     except ValidationError as exc:
         problems = (f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in exc.errors())
         raise ManifestError(f"{path}: not a pairsim manifest ({'; '.join(problems)}); rebuild the dataset") from None
+    if check_hashes and (problems := manifest.hash_problems()):
+        raise ManifestError(f"{path}: {'; '.join(problems)} (edited by hand?); `pairsim shards verify {root}` checks "
+                            f"them against the shards; rebuild the dataset")
+    return manifest
 
 
 @dataclass(frozen=True)
@@ -256,22 +309,27 @@ def split_shards(root: LocationLike, split: str, manifest: Manifest | None = Non
     return files
 
 
-def verify_split(root: LocationLike, split: str, manifest: Manifest) -> int:
-    """Read every shard's Parquet footer and check that together they hold the images the
-    ``manifest`` (``root``'s) lists: a truncated or foreign shard is named here, before
-    training, not 55 s into it inside a worker. Returns the split's images."""
+def verify_split(root: LocationLike, split: str, manifest: Manifest, footers: bool = False) -> int:
+    """Read every shard's Parquet footer (:func:`read_footer`) and check that together they hold
+    the images the ``manifest`` (``root``'s) lists: a truncated or foreign shard is named here,
+    before training, not 55 s into it inside a worker. With ``footers`` (``shards inspect``),
+    also that each footer is the one the manifest records, where it records them: a shard
+    swapped for another valid one, of as many rows and bytes, is named without reading its
+    data. A run leaves that to the SHA-256 checks of its reads, which ``data.shard_checks``
+    governs. Returns the split's images."""
     files = split_shards(root, split, manifest)  # names the dataset when the split is not in it
-    expected = manifest.split(split).images
-    rows = 0
-    for shard in files:
-        try:
-            with shard.fs.open_input_file(shard.path) as f:
-                rows += pq.read_metadata(f).num_rows
-        except (OSError, pa.ArrowInvalid) as exc:
-            raise ShardError(f"{shard}: not a readable Parquet shard ({exc}); rebuild the {split} split") from None
-    if rows != expected:
-        raise ShardError(f"{Location.of(root)}/{split}: the shards hold {rows} images, the manifest lists {expected}; "
-                         f"rebuild the {split} split")
+    info = manifest.split(split)
+    found = [(shard, *read_footer(shard)) for shard in files]
+    rows = sum(shard_rows for _, shard_rows, _ in found)
+    if rows != info.images:
+        raise ShardError(f"{Location.of(root)}/{split}: the shards hold {rows} images, the manifest lists "
+                         f"{info.images}; rebuild the {split} split")
+    recorded = info.shard_footer_sha256 if footers else {}
+    swapped = [shard for shard, _, footer in found if recorded and recorded.get(shard.name) != footer]
+    if swapped:
+        more = f", as are {len(swapped) - 1} more of the split's" if len(swapped) > 1 else ""
+        raise ShardError(f"{swapped[0]}: its Parquet footer is not the one the manifest records{more} (swapped for "
+                         f"another shard or rewritten); rebuild the {split} split")
     return rows
 
 
@@ -279,10 +337,10 @@ def verify_dataset(root: LocationLike) -> dict[str, list[str]]:
     """Every split of ``root``'s dataset read in full (``pairsim shards verify``): its shards as
     the manifest lists them (:func:`verify_split`), each shard's SHA-256 against the manifest's
     (named when it differs; a manifest without them is checked by the split's content hash),
-    and the dataset's content hash against its splits'. The problems by split, [] for one that
-    verifies."""
+    and the manifest's content hashes against its records (:meth:`Manifest.hash_problems`,
+    under ``dataset``). The problems by split, [] for one that verifies."""
     root = Location.of(root)
-    manifest = read_manifest(root)
+    manifest = read_manifest(root, check_hashes=False)
     found: dict[str, list[str]] = {}
     for split, info in sorted(manifest.splits.items()):
         try:
@@ -299,8 +357,8 @@ def verify_dataset(root: LocationLike) -> dict[str, list[str]]:
             problems.append(f"{root}/{split}: its shards differ from the manifest's content hash (altered, replaced "
                             f"or renamed{'' if info.shard_sha256 else '; this manifest lists no per-shard SHA-256'})")
         found[split] = [f"{p}; rebuild the {split} split" for p in problems]
-    if content_hash({name: info.content_hash for name, info in manifest.splits.items()}) != manifest.content_hash:
-        found.setdefault("dataset", []).append(f"{root / MANIFEST}: content_hash is not that of its splits (edited by hand?)")
+    if problems := manifest.hash_problems():
+        found["dataset"] = [f"{root / MANIFEST}: {problem} (edited by hand?)" for problem in problems]
     return found
 
 
@@ -310,9 +368,14 @@ def split_files(root: LocationLike, split: str) -> list[str]:
 
 
 def read_table(files: list[Location], **options: Any) -> pa.Table:
-    """Shards read with ``pyarrow.parquet.read_table`` through their filesystem."""
-    fs, paths = filesystem_and_paths(files)
-    return pq.read_table(paths, filesystem=fs, **options)
+    """Shards read with ``pyarrow.parquet.read_table`` through their filesystem, one by one: a
+    shard whose bytes do not parse is a :class:`ShardError` naming it
+    (:func:`pairsim.untrusted.parsing`), not pyarrow's traceback."""
+    tables = []
+    for shard in files:
+        with untrusted.parsing(shard, "a Parquet shard", ShardError):
+            tables.append(pq.read_table(shard.path, filesystem=shard.fs, **options))
+    return pa.concat_tables(tables)
 
 
 def label_and_caption_counts(root: LocationLike, split: str,
@@ -330,9 +393,10 @@ def read_rejects(root: LocationLike) -> list[dict[str, str]]:
 
 
 def reject_summary(rejects: list[dict[str, str]], top: int = 5) -> str:
-    """The ``top`` most common (kind, reason) of ``rejects`` (rejects.jsonl's lines), counted."""
+    """The ``top`` most common (kind, reason) of ``rejects`` (rejects.jsonl's lines), counted,
+    each as :func:`pairsim.errors.shown` shows text read from a file."""
     counts = collections.Counter((r["kind"], r["reason"]) for r in rejects)
-    return ", ".join(f"{n} × {kind}: {reason}" for (kind, reason), n in counts.most_common(top))
+    return ", ".join(f"{n} × {shown(kind, 40)}: {shown(reason, 80)}" for (kind, reason), n in counts.most_common(top))
 
 
 # --------------------------------------------------------------------------- inspect
@@ -380,20 +444,31 @@ def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile
     return path
 
 
+def sample_line(row: dict[str, Any], captions: int = 2) -> str:
+    """One row as ``inspect`` prints it: id, size, bytes and its first ``captions``, each cut and
+    escaped (:func:`pairsim.errors.shown`: a caption or id prints no line, escape or megabyte)."""
+    texts = row["captions"] or []
+    shown_captions = " | ".join(shown(caption, 100) for caption in texts[:captions])
+    return (f"  {shown(row['image_id'], 80)} {row['width']}×{row['height']} {len(row['image'] or b''):,} B  "
+            f"{shown_captions}{' …' if len(texts) > captions else ''}")
+
+
 def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, sheet_images: int = 12) -> str:
-    """A readable report — counts, schema, sample rows, top reject reasons — of a dataset whose
-    every shard is first checked against its manifest (there, whole, with the rows it lists:
-    :func:`verify_split`, footers only), and a contact sheet PNG of the first split written to
-    ``sheet`` when given (a new file: :func:`pairsim.outputs.check_file_target`; nothing is
-    written into the dataset)."""
+    """A readable report — counts, schema, sample rows, top reject reasons, everything read from
+    the data shown cut and escaped (:func:`pairsim.errors.shown`) — of a dataset whose every
+    shard is first checked against its manifest (there, whole, with the rows it lists and the
+    footer it records: :func:`verify_split`, footers only, so a dataset of any size is inspected
+    in seconds; ``shards verify`` reads every byte), and a contact sheet PNG of the first split
+    written to ``sheet`` when given (a new file: :func:`pairsim.outputs.check_file_target`;
+    nothing is written into the dataset)."""
     if sheet:
         outputs.check_file_target(sheet, "--sheet")
     root = Location.of(root)
     manifest = read_manifest(root)
     for split in sorted(manifest.splits):
-        verify_split(root, split, manifest)
-    lines = [f"{root}: {manifest.source} (schema v{manifest.schema_version}), "
-             f"content hash {manifest.content_hash[:12]}"]
+        verify_split(root, split, manifest, footers=True)
+    lines = [f"{root}: {shown(manifest.source)} (schema v{manifest.schema_version}), "
+             f"content hash {shown(manifest.content_hash[:12])}"]
     for split, c in sorted(manifest.splits.items()):
         lines.append(f"  {split:<8} {c.images:>9,} images {c.captions:>10,} captions {c.shards:>5} shards")
     lines.append(f"  rejected: {manifest.rejected}")
@@ -402,11 +477,10 @@ def inspect(root: LocationLike, samples: int = 4, sheet: Path | None = None, she
         rejects = read_rejects(root)
         lines.append(f"  mostly {reject_summary(rejects)} (see {rejects_file})")
     first = sorted(manifest.splits)[0]
-    lines += ["", "schema:", str(read_table(split_shards(root, first)[:1]).schema)]
+    schema = read_table(split_shards(root, first)[:1]).schema
+    lines += ["", "schema:", *(f"{shown(field.name, 80)}: {shown(field.type, 80)}" for field in schema)]
     lines += ["", f"sample of {first}:"]
-    for row in sample_rows(root, first, samples):
-        lines.append(f"  {row['image_id']} {row['width']}×{row['height']} {len(row['image']):,} B  "
-                     f"{row['captions'][:2]}{' …' if len(row['captions']) > 2 else ''}")
-    shown = contact_sheet(sample_rows(root, first, sheet_images), Path(sheet)) if sheet else "--sheet PATH draws one"
-    lines += ["", f"contact sheet: {shown}"]
+    lines += [sample_line(row) for row in sample_rows(root, first, samples)]
+    drawn = contact_sheet(sample_rows(root, first, sheet_images), Path(sheet)) if sheet else "--sheet PATH draws one"
+    lines += ["", f"contact sheet: {drawn}"]
     return "\n".join(lines)

@@ -3,8 +3,14 @@ img2dataset WebDataset tars and image folders with a JSONL of captions.
 
 Each ``list_*`` function turns its input into a :class:`Listing`: one :class:`Record` per image
 (where its bytes are, its captions, the split) in input order, and the :class:`Reject`\\ s found
-on the way (bad lines, empty captions, duplicate ids). Nothing here opens an image; the shard
-builder (:mod:`pairsim.data.shards`) does that in Ray Data tasks.
+on the way (bad lines, empty captions, duplicate ids, ids that are no safe name:
+:func:`image_id_problem`). Nothing here opens an image; the shard builder
+(:mod:`pairsim.data.builder`) does that in Ray Data tasks, through :meth:`ImageRef.read`.
+
+Every file a source names is opened through :meth:`pairsim.storage.Location.open_input`: a
+regular file only (a named pipe, a device or a directory is refused unread, without blocking),
+each read bounded (:data:`MAX_LIST_BYTES`, :data:`MAX_SOURCE_IMAGE_BYTES`,
+:data:`MAX_TEXT_MEMBER_BYTES`, :data:`MAX_SIDECAR_BYTES`).
 
 Each format is a :class:`DataFormat` registered in :data:`pairsim.registry.DATA_FORMATS` under
 the name ``--format`` / ``BuildConfig.format`` use; :func:`list_source` dispatches through it.
@@ -13,26 +19,46 @@ the name ``--format`` / ``BuildConfig.format`` use; :func:`list_source` dispatch
 from __future__ import annotations
 
 import csv
+import errno
+import io
 import json
 import os
 import tarfile
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+from pathlib import Path, PurePath
+from typing import BinaryIO, Literal
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
 
-from pairsim.errors import InputError
+from pairsim import untrusted
+from pairsim.errors import InputError, shown
 from pairsim.registry import DATA_FORMATS
+from pairsim.storage import Location
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp")
+MAX_LIST_BYTES = 8 * 2**30  # a CSV, JSONL or Karpathy file: tens of millions of captions (CC12M's CSV is 2.5 GB)
+MAX_SOURCE_IMAGE_BYTES = 256 * 2**20  # one image file or tar member: a 100-megapixel photo is ~50 MB as JPEG
+MAX_TEXT_MEMBER_BYTES = 2**20  # a tar's caption .txt or img2dataset .json: a few hundred bytes as it writes them
+MAX_SIDECAR_BYTES = 2**20  # img2dataset's NNNNN_stats.json: a few kB
+MAX_TAR_SAMPLES = 10**6  # samples a sidecar may count in one tar (img2dataset writes 10,000 by default)
+MAX_IMAGE_ID_CHARS = 1024  # an image id is a name (a path under the images root, a tar key), not a text
 
 
 class SourceError(InputError):
     """An input that cannot be read at all or gives nothing to build (as opposed to a bad record,
     which is rejected)."""
+
+
+class ImageTooLarge(OSError):
+    """An image file or tar member of more than :data:`MAX_SOURCE_IMAGE_BYTES`, refused unread."""
+
+    def __init__(self, path: str, size: int):
+        super().__init__(errno.EFBIG, f"{size:,} bytes, more than the {MAX_SOURCE_IMAGE_BYTES:,} an image may have",
+                         path)
 
 
 @dataclass(frozen=True)
@@ -44,11 +70,17 @@ class ImageRef:
     size: int = -1  # bytes, -1 when unknown (a missing file)
 
     def read(self) -> bytes:
-        with open(self.path, "rb") as f:
-            if self.offset < 0:
-                return f.read()
-            f.seek(self.offset)
-            return f.read(self.size)
+        """The image's bytes, from a regular file only (:meth:`Location.open_input`: a named pipe,
+        a device or a directory raises :class:`~pairsim.storage.NotARegularFile` unread, without
+        blocking), at most :data:`MAX_SOURCE_IMAGE_BYTES` (:class:`ImageTooLarge` before any is
+        read); other OS errors as they are (FileNotFoundError for a missing file)."""
+        stream, file_size = Location.of(Path(self.path)).open_input()
+        with stream:
+            size = file_size if self.offset < 0 else self.size
+            if size > MAX_SOURCE_IMAGE_BYTES:
+                raise ImageTooLarge(self.path, size)
+            stream.seek(max(self.offset, 0))
+            return stream.read(size)
 
 
 @dataclass
@@ -118,12 +150,32 @@ def _add_captions(record: Record, raw_captions: Iterable[str | bytes], listing: 
                                           record.image_id))
 
 
+def image_id_problem(image_id: str) -> str | None:
+    """Why ``image_id`` cannot name an image, or None: every format's ids pass here. An id is
+    1 to :data:`MAX_IMAGE_ID_CHARS` characters, each printable (no newline, CR, tab, escape,
+    NUL, bidi override: it is shown as it is, :func:`pairsim.errors.shown` escapes nothing in
+    it), and, read as a path (``/`` or ``\\`` separated), relative and without a ``..`` part:
+    a key like ``../x`` names nothing outside, wherever an id is used as a name."""
+    if not 0 < len(image_id) <= MAX_IMAGE_ID_CHARS:
+        return f"{len(image_id):,} characters (1 to {MAX_IMAGE_ID_CHARS:,})"
+    if not image_id.isprintable():
+        return "a control or other unprintable character"
+    parts = image_id.replace("\\", "/").split("/")
+    if parts[0] == "" or ".." in parts:
+        return "an absolute path" if parts[0] == "" else "a '..' part: it would name a place outside"
+    return None
+
+
 def _finish(listing: Listing) -> Listing:
-    """Drop images left without captions and later records of an image id already seen."""
+    """Drop images whose id is no safe name (:func:`image_id_problem`), images left without
+    captions and later records of an image id already seen."""
     seen: dict[str, str] = {}
     kept = []
     for record in listing.records:
-        if not record.captions:
+        if problem := image_id_problem(record.image_id):
+            listing.rejects.append(Reject("image", shown(record.source), "bad image id",
+                                          f"{shown(record.image_id, 80)}: {problem}", shown(record.image_id)))
+        elif not record.captions:
             listing.rejects.append(Reject("image", record.source, "no valid caption", image_id=record.image_id))
         elif record.image_id in seen:
             listing.rejects.append(Reject("image", record.source, "duplicate image id",
@@ -156,15 +208,24 @@ def _image_file(images_root: Path, name: str | Path, where: str, listing: Listin
         return ImageRef(str(path))  # missing: the build rejects it with the reason
 
 
-def _relative_id(name: str) -> str:
-    return Path(os.path.normpath(name)).as_posix()
+def _id_under(images_root: Path, name: str) -> str:
+    """The id of the image file ``name``: its path under ``images_root``, ``/``-separated
+    (``./a/../b.jpg`` is ``b.jpg``; an absolute path under the root is relative to it)."""
+    return PurePath(os.path.relpath(images_root / name, images_root)).as_posix()
 
 
 def _read_bytes(path: Path) -> bytes:
+    """A list file's bytes (:meth:`Location.read_bounded`: a regular file, at most :data:`MAX_LIST_BYTES`)."""
+    return Location.of(path).read_bounded(MAX_LIST_BYTES, SourceError, "split the list into several builds")
+
+
+def _open_input(path: Path) -> BinaryIO:
+    """A source file opened for reading (:meth:`Location.open_input`: a regular file only);
+    :class:`SourceError` naming it otherwise."""
     try:
-        return path.read_bytes()
+        return Location.of(path).open_input()[0]
     except OSError as exc:
-        raise SourceError(f"{path}: cannot read: {exc}") from None
+        raise SourceError(f"{path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def list_karpathy(path: Path, images_root: Path) -> Listing:
@@ -197,22 +258,37 @@ def list_karpathy(path: Path, images_root: Path) -> Listing:
 
 
 def _decoded_lines(raw: bytes, listing: Listing) -> Iterator[str]:
-    for line in raw.splitlines(keepends=True):
+    """``raw``'s lines, each decoded on its own (:func:`decode_text`). A line ends at LF (a
+    CRLF's CR goes with it): a CR elsewhere is a character of the line, not a line end
+    (``bytes.splitlines`` would cut a caption there and make its rest a line of its own)."""
+    for line in io.BytesIO(raw):
         text, recoded = decode_text(line)
         listing.captions_recoded += recoded
         yield text
+
+
+CR_STAND_IN = "\ud800"  # a bare CR as the csv module is handed it: a lone surrogate, which no decoded text holds
+
+
+def _csv_lines(lines: Iterable[str]) -> Iterator[str]:
+    """``lines`` for the csv module, each CR that does not end its line as :data:`CR_STAND_IN`
+    (:func:`_csv_rows` gives it back): the csv module ends a record at any CR outside quotes,
+    so a caption's stray CR would cut it and shift the rest of the line into a record of its own."""
+    for line in lines:
+        text = line.removesuffix("\n").removesuffix("\r")
+        yield text.replace("\r", CR_STAND_IN) + line[len(text):]
 
 
 def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepath",
              caption_key: str = "title", separator: str = "\t") -> Listing:
     """open_clip's CSV: a header row, then one caption per line; lines naming the same image
     path are one image with several captions. Each line is decoded on its own (a stray
-    non-UTF-8 line does not spoil the file)."""
+    non-UTF-8 line does not spoil the file); a CR inside a line is part of it (:func:`_csv_lines`)."""
     listing = Listing()
-    reader = csv.reader(_decoded_lines(_read_bytes(path), listing), delimiter=separator)
+    reader = csv.reader(_csv_lines(_decoded_lines(_read_bytes(path), listing)), delimiter=separator)
     header = next(reader, None)
     if header is None or image_key not in header or caption_key not in header:
-        raise SourceError(f"{path}: header {header} lacks the image column {image_key!r} and/or the caption "
+        raise SourceError(f"{path}: header {shown(header)} lacks the image column {image_key!r} and/or the caption "
                           f"column {caption_key!r} (set them with --csv-image-key / --csv-caption-key, the "
                           f"separator with --csv-separator; now {separator!r})")
     image_col, caption_col = header.index(image_key), header.index(caption_key)
@@ -223,29 +299,32 @@ def list_csv(path: Path, images_root: Path, split: str, image_key: str = "filepa
             listing.rejects.append(Reject("record", where, "malformed line",
                                           f"{len(row)} fields, header has {len(header)}"))
             continue
-        if record := _record_of(by_path, _relative_id(row[image_col]), split, images_root, where, listing):
+        if record := _record_of(by_path, row[image_col], split, images_root, where, listing):
             _add_captions(record, [row[caption_col]], listing, where)
     return _finish(listing)
 
 
 def _csv_rows(reader, path: Path, listing: Listing) -> Iterator[list[str]]:
-    """The reader's rows; a line it cannot parse (a field over the csv module's limit, 128 KiB:
-    a runaway caption) is a counted reject, not the end of the build."""
+    """The reader's rows, each bare CR given back (:func:`_csv_lines`: a control character, cleaned
+    to a space in a caption, refused in an image id); a line it cannot parse (a field over the
+    csv module's limit, 128 KiB: a runaway caption) is a counted reject, not the end of the build."""
     while True:
         try:
-            yield next(reader)
+            yield [value.replace(CR_STAND_IN, "\r") for value in next(reader)]
         except StopIteration:
             return
         except csv.Error as exc:
             listing.rejects.append(Reject("record", f"{path.name}:{reader.line_num}", "malformed line", str(exc)))
 
 
-def _record_of(records: dict[str, Record | None], image_id: str, split: str, images_root: Path, where: str,
+def _record_of(records: dict[str, Record | None], name: str, split: str, images_root: Path, where: str,
                listing: Listing) -> Record | None:
-    """The record of the image file ``image_id`` (lines naming one file are one image), made and
-    listed on first sight; None for a file outside the root (rejected once)."""
+    """The record of the image file ``name`` (lines naming one file are one image: one id,
+    :func:`_id_under`), made and listed on first sight; None for a file outside the root
+    (rejected once)."""
+    image_id = _id_under(images_root, name)
     if image_id not in records:
-        image = _image_file(images_root, image_id, where, listing)
+        image = _image_file(images_root, name, where, listing)
         records[image_id] = Record(split, image_id, image, [], where) if image else None
         if image:
             listing.records.append(records[image_id])
@@ -271,7 +350,7 @@ def list_folder(path: Path, images_root: Path, split: str) -> Listing:
             problem = "nested too deeply" if isinstance(exc, RecursionError) else exc
             listing.rejects.append(Reject("record", where, "malformed line", f"{type(exc).__name__}: {problem}"))
             continue
-        if record := _record_of(by_file, _relative_id(name), split, images_root, where, listing):
+        if record := _record_of(by_file, name, split, images_root, where, listing):
             _add_captions(record, captions, listing, where)
     return _finish(listing)
 
@@ -297,13 +376,13 @@ def list_webdataset(path: Path, split: str) -> Listing:
     output): images are read later by offset. A second member with a key and extension already
     seen in the tar is rejected (``duplicate member``), not silently used. A truncated tar keeps
     the members before the break; its lost samples are counted from img2dataset's sidecar
-    beside it (:func:`_lost_samples`)."""
+    beside it (:func:`_lost_samples`). The key is the image id (:func:`image_id_problem`)."""
     listing = Listing()
     for tar_path in tar_files(path):
         samples: dict[str, dict[str, tarfile.TarInfo]] = {}
         truncated: str | None = None
         try:
-            with tarfile.open(tar_path, "r:") as tar:
+            with _open_input(tar_path) as stream, tarfile.open(fileobj=stream, mode="r:") as tar:
                 while True:
                     try:
                         member = tar.next()
@@ -311,7 +390,7 @@ def list_webdataset(path: Path, split: str) -> Listing:
                         truncated = str(exc)
                         break
                     if member is None:
-                        if not _ends_with_end_marker(tar_path, tar.offset):  # cut between two members
+                        if not _ends_with_end_marker(stream, tar.offset):  # cut between two members
                             truncated = "no end-of-archive blocks"
                         break
                     if member.isfile():
@@ -321,8 +400,8 @@ def list_webdataset(path: Path, split: str) -> Listing:
                                                           "duplicate member", "the tar's first one is kept", key))
                             continue
                         samples.setdefault(key, {})[ext] = member
-                texts = {key: _member_bytes(tar, files.get("txt")) for key, files in samples.items()}
-                metas = {key: _member_bytes(tar, files.get("json")) for key, files in samples.items()}
+                texts = {key: _member_text(tar, files.get("txt"), tar_path, listing) for key, files in samples.items()}
+                metas = {key: _member_text(tar, files.get("json"), tar_path, listing) for key, files in samples.items()}
         except tarfile.ReadError as exc:
             raise SourceError(f"{tar_path}: not an uncompressed tar ({exc}); img2dataset writes plain .tar "
                               "files — decompress others first") from None
@@ -347,12 +426,18 @@ def list_webdataset(path: Path, split: str) -> Listing:
     return _finish(listing)
 
 
-def _ends_with_end_marker(tar_path: Path, offset: int) -> bool:
+def _ends_with_end_marker(tar: BinaryIO, offset: int) -> bool:
     """Whether the tar has the two zero blocks that end an archive at ``offset``, where its
     members end: a tar cut between two members reads as complete otherwise."""
-    with open(tar_path, "rb") as f:
-        f.seek(offset)
-        return f.read(2 * tarfile.BLOCKSIZE) == bytes(2 * tarfile.BLOCKSIZE)
+    tar.seek(offset)
+    return tar.read(2 * tarfile.BLOCKSIZE) == bytes(2 * tarfile.BLOCKSIZE)
+
+
+class Img2datasetStats(BaseModel):
+    """The part of img2dataset's ``NNNNN_stats.json`` a build reads: how many samples it wrote."""
+
+    model_config = ConfigDict(extra="allow")
+    successes: int = Field(0, ge=0, le=MAX_TAR_SAMPLES)
 
 
 def _lost_samples(tar_path: Path, read: set[str], truncated: str | None) -> list[Reject]:
@@ -363,25 +448,47 @@ def _lost_samples(tar_path: Path, read: set[str], truncated: str | None) -> list
     where = tar_path.name
     detail = f"truncated tar after {len(read)} samples ({truncated})" if truncated else "not in the tar"
     meta, stats = tar_path.with_suffix(".parquet"), tar_path.with_name(f"{tar_path.stem}_stats.json")
-    try:
-        table = pq.read_table(meta, columns=["key", "status"]).to_pydict() if meta.is_file() else None
-    except (OSError, ValueError):  # not img2dataset's parquet: no key/status columns
-        table = None
-    if table is not None:
-        lost = [k for k, status in zip(table["key"], table["status"]) if status == "success" and k not in read]
-        return [Reject("image", where, "lost from the tar", f"{detail}; listed in {meta.name}", key) for key in lost]
+    if meta.is_file() and (listed := _successful_keys(meta)) is not None:
+        return [Reject("image", where, "lost from the tar", f"{detail}; listed in {meta.name}", key)
+                for key in listed if key not in read]
+    problems = []
     if stats.is_file():
-        lost = max(int(json.loads(stats.read_text()).get("successes", 0)) - len(read), 0)
-        return [Reject("image", where, "lost from the tar", f"{detail}; {i + 1} of {lost} by {stats.name}")
-                for i in range(lost)]
+        try:
+            lost = max(untrusted.read_model(stats, Img2datasetStats, MAX_SIDECAR_BYTES, SourceError).successes
+                       - len(read), 0)
+            return [Reject("image", where, "lost from the tar", f"{detail}; {i + 1} of {lost} by {stats.name}")
+                    for i in range(lost)]
+        except SourceError as exc:
+            problems.append(Reject("record", stats.name, "unreadable sidecar", shown(exc)))
     if truncated:
-        return [Reject("record", where, "truncated tar", f"{detail}; how many followed is unknown (no img2dataset "
-                                                         f"{meta.name} or {stats.name} beside it)")]
-    return []
+        problems.append(Reject("record", where, "truncated tar", f"{detail}; how many followed is unknown (no "
+                                                                 f"readable img2dataset {meta.name} or {stats.name} "
+                                                                 f"beside it)"))
+    return problems
 
 
-def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo | None) -> bytes | None:
+def _successful_keys(meta: Path) -> list[str] | None:
+    """The keys img2dataset's per-tar ``NNNNN.parquet`` lists with status ``success``; None when
+    it is not one (no string columns ``key`` and ``status``, or not Parquet)."""
+    try:
+        with _open_input(meta) as stream:
+            table = pq.read_table(stream, columns=["key", "status"])
+    except (OSError, ValueError):  # SourceError and pyarrow's ArrowInvalid are ValueErrors
+        return None
+    if not all(pa.types.is_string(table.schema.field(name).type) for name in ("key", "status")):
+        return None
+    return [key for key, status in zip(table["key"].to_pylist(), table["status"].to_pylist()) if status == "success"]
+
+
+def _member_text(tar: tarfile.TarFile, member: tarfile.TarInfo | None, tar_path: Path,
+                 listing: Listing) -> bytes | None:
+    """The bytes of a sample's text member (its caption ``.txt``, img2dataset's ``.json``), None
+    when it has none or, rejected, when the member holds more than :data:`MAX_TEXT_MEMBER_BYTES`."""
     if member is None:
+        return None
+    if member.size > MAX_TEXT_MEMBER_BYTES:
+        listing.rejects.append(Reject("caption", shown(f"{tar_path.name}:{member.name}"), "caption file too large",
+                                      f"{member.size:,} bytes, more than {MAX_TEXT_MEMBER_BYTES:,}"))
         return None
     with tar.extractfile(member) as f:
         return f.read()
@@ -390,7 +497,7 @@ def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo | None) -> bytes
 def _json_caption(raw: bytes) -> str | None:
     try:
         caption = json.loads(decode_text(raw)[0]).get("caption")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         return None
     return caption if isinstance(caption, str) else None
 
