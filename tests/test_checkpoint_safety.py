@@ -217,3 +217,34 @@ def test_a_directory_that_is_no_checkpoint_is_refused_at_once_not_walked(tmp_pat
     assert main(["checkpoints", "verify", "/"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("record", [
+    b'{"foo": 1}',
+    b"not json {",
+    b'{"checkpoint_results": [{"checkpoint_dir_name": 7}]}',
+    b'{"checkpoint_results": [{"checkpoint_dir_name": "../../elsewhere"}]}',
+    b'{"checkpoint_results": [], "checkpoint_results": []}',
+    b"[" * 100_000,
+], ids=["foreign", "not-json", "wrong-type", "name-leaving-the-run", "key-twice", "nested"])
+def test_a_foreign_train_record_is_set_aside_with_a_warning_and_kept_and_no_checkpoint_touched(tmp_path, caplog, record):
+    """Ray Train's record of a run's checkpoints that is not one it writes: set aside with one
+    warning naming it (kept, renamed, as a record naming a deleted checkpoint is), so that Ray
+    Train starts a new one and the run resumes from the newest checkpoint that verifies
+    (``resume_point``); no checkpoint is touched."""
+    from pairsim import compat
+
+    run = tmp_path / "run"
+    for epoch in (1, 2):
+        checkpoint = run / f"checkpoint_2026-01-01_00-0{epoch}-00.000000"
+        (checkpoint / checkpoints.CHECKPOINT_TAG).mkdir(parents=True)
+        (checkpoint / checkpoints.CARD_FILE).write_text(card_json(epoch))
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    (run / compat.ray.TRAIN_RECORD).write_bytes(record)
+    with caplog.at_level("WARNING", logger="pairsim"):
+        checkpoints.set_aside_stale_snapshot(storage.Location.of(run))
+    aside = list(run.glob(f"{compat.ray.TRAIN_RECORD}.stale-*"))
+    assert not (run / compat.ray.TRAIN_RECORD).exists() and len(aside) == 1 and aside[0].read_bytes() == record
+    warning = [r.getMessage() for r in caplog.records]
+    assert len(warning) == 1 and str(run / compat.ray.TRAIN_RECORD) in warning[0] and aside[0].name in warning[0]
+    assert sorted(p.relative_to(run) for p in run.rglob("*") if p not in aside) == before

@@ -73,6 +73,40 @@ def test_a_file_that_is_no_config_is_not_echoed(tmp_path):
     assert all(len(line) < 400 for line in message.splitlines())
 
 
+@pytest.mark.parametrize("body, where, problem", [
+    ("root:x:0:0:root:/root:/bin/bash\npassword: hunter2 secret: x\n", "line 2, column 9",
+     "mapping values are not allowed here"),
+    ("a: 1\n\tpassword: hunter2\n", "line 2, column 1", "found character '\\t' that cannot start any token"),
+    ("token: !!python/object/apply:os.system [hunter2]\n", "line 1, column 8",
+     "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'"),
+    ("train: {epochs: 1}\n\"\\e[2Jhunter2\": 1\n\"\\e[2Jhunter2\": 2\n", "line 3, column 1",
+     "the key '\\x1b[2Jhunter2' appears twice (lines 2 and 3)"),
+    ("key: \x1b[31mhunter2\n", "character 6", "unacceptable character #x001b"),
+], ids=["mapping", "tab", "tag", "key-twice-escaped", "control-character"])
+def test_a_yaml_error_shows_where_and_what_not_the_files_lines(tmp_path, capsys, body, where, problem):
+    """PyYAML's message quotes the line it stopped at (a password file's, say): pairsim's names
+    the file, the line and column and the problem, and shows no line of it; what the problem
+    quotes of the file is escaped."""
+    path = tmp_path / "secrets.yaml"
+    path.write_text(body)
+    message = refused(path, "not valid YAML")
+    assert message.startswith(f"{path}: not valid YAML: {where}: ") and problem in message, message
+    assert "\n" not in message and "\x1b" not in message and "password:" not in message
+    assert cli.main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "password:" not in err and "hunter2\n" not in err
+
+
+def test_a_key_from_a_config_file_is_shown_escaped(tmp_path):
+    """An unknown key is echoed as its file writes it, its escapes escaped: it cannot clear the
+    screen or start a line of its own."""
+    path = tmp_path / "run.yaml"
+    path.write_text('train:\n  "\\e[2J\\npairsim: all good": 1\n')
+    message = refused(path, "unknown key")
+    assert "train.\\x1b[2J\\npairsim: all good: unknown key" in message and "\x1b" not in message
+    assert message.count("\n") == 1
+
+
 @pytest.mark.parametrize("uri", ["file:///etc", "javascript:alert(1)", "./mlruns", "ftp://host/x"])
 def test_a_tracking_uri_mlflow_does_not_serve_is_refused_before_ray(uri, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -147,6 +147,27 @@ def test_a_bad_init_from_stops_a_run_before_ray_starts(tmp_path, tiny_dataset, c
     assert f"{tmp_path}/missing/model.pt" in capsys.readouterr().err  # resolved against the working directory
 
 
+def test_init_from_through_a_link_names_the_link_and_where_it_leads(tmp_path):
+    """``model.init_from`` a link to an export (``latest.pt`` → ``runs/a/model.pt``): it loads
+    the export beside its target (card and heads there), and a refusal names the path the config
+    gives and where it leads, as a run checks it (its paths made absolute first)."""
+    export(tmp_path / "runs" / "a" / "model.pt", seed=0)
+    (tmp_path / "latest.pt").symlink_to(tmp_path / "runs" / "a" / "model.pt")
+    cfg = load_config(None, [f"model.init_from={tmp_path}/latest.pt"]).with_absolute_paths()
+    assert cfg.model.init_from == tmp_path / "latest.pt"
+    checkpoints.check_init_from(cfg.model)
+    target = retrieval.create_retrieval_model(ModelConfig(crossmodal_heads=True))
+    checkpoints.load_initial_weights(target, cfg.model.init_from)
+    with pytest.raises(ConfigError) as refused:
+        checkpoints.check_init_from(cfg.model.model_copy(update={"arch": "ViT-B-32"}))
+    assert str(refused.value).startswith(f"model.init_from: {tmp_path / 'latest.pt'} leads to "
+                                         f"{tmp_path / 'runs' / 'a' / 'model.pt'}: ")
+    assert "model.arch 'ViT-B-32'" in str(refused.value)
+    (tmp_path / "loop.pt").symlink_to(tmp_path / "loop.pt")
+    with pytest.raises(ConfigError, match=f"model.init_from: {tmp_path / 'loop.pt'}: a loop of links"):
+        checkpoints.check_init_from(ModelConfig(init_from=tmp_path / "loop.pt"))
+
+
 def test_initial_student_teacher_starts_from_init_from(tmp_path):
     from pairsim.build import build_teachers
 

@@ -112,9 +112,17 @@ def test_something_else_in_the_locks_place_is_named_not_overwritten(tmp_path):
     ({"heartbeat": "x"}, "heartbeat: Input should be a valid number"),
     ({"heartbeat": float("nan")}, "heartbeat: Input should be a finite number"),
     ({"token": None}, "token: Input should be a valid string"),
+    ({"heartbeat": 1e300}, "heartbeat: Value error, 1e+300 s ahead of this host's clock"),  # never stale
+    ({"heartbeat": time.time() + 1e6}, "heartbeat: Value error, 1e+06 s ahead"),
+    ({"heartbeat": -1.0}, "heartbeat: Input should be greater than or equal to 0"),
+    ({"started": "2999-01-01T00:00:00+00:00"}, "started: Value error, 3.07e+10 s ahead of this host's clock"),
+    ({"started": "\x1b[2J yesterday"}, "started: Value error, not a time in ISO 8601"),
+    ({"started": "2026-01-01T00:00:00"}, "started: Value error, a time without its time zone"),
 ])
 def test_a_lock_with_a_field_of_another_type_is_refused_in_one_line_naming_it(tmp_path, fields, problem):
-    """On this host, so that the pid would be checked; a wrong type is never used."""
+    """On this host, so that the pid would be checked; a wrong type, or a time later than a
+    clock's skew allows, is never used: refused rather than taken for stale, as the lock may be a
+    live run's (on a host whose clock is far ahead)."""
     path = Location.of(tmp_path / "z.lock")
     lock_file(path, host=socket.gethostname(), **fields)
     written = path.read_bytes()
@@ -136,6 +144,73 @@ def test_a_lock_of_another_shape_or_size_is_refused_in_one_line(tmp_path, conten
     with pytest.raises(locks.NameInUse, match=problem) as refused:
         locks.acquire(Location.of(path), "w")
     assert "\n" not in str(refused.value) and path.read_bytes() == content
+
+
+@pytest.mark.parametrize("given_as", ["location", "path"])
+def test_a_link_in_the_locks_place_is_named_not_followed_nor_created_through(tmp_path, given_as):
+    """A dangling link, and a link to someone's file: each refused naming the link and where it
+    leads; nothing is created at, written to or removed from its target, and the link stays."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (tmp_path / "theirs.json").write_bytes(b"their file")
+    for name, target in (("dangling.lock", tmp_path / "nowhere"), ("theirs.lock", tmp_path / "theirs.json")):
+        (runs / name).symlink_to(target)
+        lock = Location.of(runs) / name if given_as == "location" else runs / name
+        with pytest.raises(locks.NameInUse) as refused:
+            locks.acquire(lock, "ray.run_name 'r'")
+        message = str(refused.value)
+        assert message.startswith("ray.run_name 'r':") and f"{runs / name}: a symbolic link (to {target})" in message
+        assert "\n" not in message and (runs / name).is_symlink()
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "theirs.json").read_bytes() == b"their file"
+
+
+def test_a_holders_words_are_printed_cut_and_escaped(tmp_path, caplog):
+    """What a lock says of its holder is text another user wrote: no escape sequence or line of
+    it reaches the terminal, and no more than a cut of it."""
+    live, gone = Location.of(tmp_path / "live.lock"), Location.of(tmp_path / "gone.lock")
+    words = {"user": "\x1b[2J\x1b[31mroot", "host": "elsewhere\npairsim: all good", "command": "x" * 3000}
+    lock_file(live, **words)
+    lock_file(gone, **words, heartbeat=time.time() - locks.STALE_AFTER_S - 60)
+    with pytest.raises(locks.NameInUse) as refused:
+        locks.acquire(live, "r")
+    with caplog.at_level("WARNING", logger="pairsim.locks"):
+        locks.acquire(gone, "s").release()
+    for shown in (str(refused.value), caplog.text.strip()):
+        assert "\x1b" not in shown and "\n" not in shown and len(shown) < 1000, shown
+        assert "\\x1b[2J\\x1b[31mroot@elsewhere\\npairsim: all good" in shown and "(2,800 more)" in shown
+
+
+def test_a_run_or_sweep_directory_that_is_a_link_is_refused_and_nothing_goes_through_it(tiny_dataset, tmp_path,
+                                                                                        capsys, monkeypatch):
+    """``<ray.storage_path>/<ray.run_name>`` (train) and ``<ray.storage_path>/<--name>`` (tune) that
+    is a symbolic link: refused before Ray, exit 2, naming the link and where it leads; nothing is
+    written where it leads."""
+    from pairsim import cluster
+    from pairsim.config import ConfigError
+    from pairsim.tune import sweep as sweeps
+    from pairsim.tune.space import load_sweep
+
+    monkeypatch.setattr(cluster, "init_ray", lambda *a, **k: pytest.fail("Ray was started before the refusal"))
+    run, elsewhere = run_yaml(tiny_dataset, tmp_path), tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "runs").mkdir()
+    for name in ("same", "linked-sweep"):
+        (tmp_path / "runs" / name).symlink_to(elsewhere)
+    with pytest.raises(ConfigError) as refused:
+        driver.fit(load_config(run))
+    assert str(refused.value).startswith("ray.run_name:") and f"runs/same is a symbolic link (to {elsewhere})" in \
+        str(refused.value)
+    assert cli.main(["train", "--config", str(run)]) == 2
+    assert "ray.run_name:" in capsys.readouterr().err
+    space = tmp_path / "space.yaml"
+    space.write_text(f"base: {{config: [{run}]}}\nspace: {{loss.base.margin: {{uniform: [0.1, 0.3]}}}}\n"
+                     "sweep: {num_samples: 1}\n")
+    with pytest.raises(ConfigError) as refused:
+        sweeps.run_sweep(load_sweep(space), "linked-sweep")
+    assert str(refused.value).startswith("--name:") and f"runs/linked-sweep is a symbolic link (to {elsewhere})" in \
+        str(refused.value)
+    assert cli.main(["tune", "--space", str(space), "--name", "linked-sweep"]) == 2
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_lock_in_a_place_that_cannot_be_written_is_refused_naming_it(tmp_path):

@@ -98,3 +98,52 @@ def test_every_built_in_part_of_the_config_is_built():
     for family in (components.BASE_LOSSES, components.STRUCTURES, components.TEACHERS):
         assert set(family.builtins.values()) <= set(build.FACTORIES), family.key
     assert list(components.FUSIONS.builtins) == list(fusion.BUILT_IN)
+
+
+BROKEN_PLUGINS = {  # entry point name -> (the module it names, that module's code, the cause its error names)
+    "loss_missing_dependency": ("toy_needs_missing:Loss", "import pairsim_no_such_dependency\n",
+                                "ModuleNotFoundError: No module named 'pairsim_no_such_dependency'"),
+    "loss_raising_at_import": ("toy_raises:Loss", "raise RuntimeError('the plugin is broken')\n",
+                               "RuntimeError: the plugin is broken"),
+    "loss_missing_name": ("toy_empty:Loss", "", "AttributeError"),
+    "loss_a_function": ("toy_function:Loss", "def Loss():\n    pass\n", "names function 'Loss', not a class"),
+    "loss_foreign_params": ("toy_foreign:Loss", "class Loss:\n    class Params:\n        pass\n",
+                            "its Params must subclass pairsim.config.components.BaseLossParams"),
+}
+
+
+@pytest.fixture
+def broken_plugins(tmp_path, monkeypatch):
+    """A package installed beside the tests (a dist-info on the path, as a wheel installs one)
+    whose base-loss entry points name a module that fails to import, one that raises as it runs,
+    a name its module lacks, a function, and a class whose Params is not pairsim's."""
+    info = tmp_path / "pairsim_broken_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pairsim-broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[pairsim.base_losses]\n" + "".join(
+        f"{name} = {target}\n" for name, (target, _, _) in BROKEN_PLUGINS.items()))
+    for target, code, _ in BROKEN_PLUGINS.values():
+        (tmp_path / f"{target.split(':')[0]}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", list(BROKEN_PLUGINS))
+def test_a_plugin_that_does_not_load_is_one_config_error_naming_the_key_entry_point_and_cause(broken_plugins, name):
+    target, _, cause = BROKEN_PLUGINS[name]
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [f"loss.base={name}"])
+    line = refused.value.args[0].splitlines()[1].strip()
+    assert refused.value.keys == ("loss.base.name",) and line.startswith("loss.base.name:")
+    assert f"{name} = '{target}'" in line and "pairsim.base_losses" in line and "pairsim-broken-plugin" in line
+    assert cause in line
+
+
+def test_a_broken_plugin_exits_2_in_train_and_doctor_and_leaves_other_errors_as_they_were(broken_plugins, tmp_path,
+                                                                                           capsys):
+    for command in (["train", "--config", str(DEMO_CONFIG)], ["doctor"]):
+        assert main([*command, "--set", "loss.base=loss_raising_at_import"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "loss_raising_at_import" in err and "the plugin is broken" in err
+    with pytest.raises(ConfigError) as refused:  # listing the parts that have a key loads every plugin
+        load_config(None, ["loss.base=unified", "loss.base.cos_margin=0.1"])
+    assert refused.value.keys == ("loss.base.cos_margin",) and "'cos_hinge'" in str(refused.value)

@@ -644,6 +644,29 @@ def test_pbt_mutations_start_in_the_space_and_explore_stays_inside(tmp_path):
     assert sweep.trial_config(sweep.point_of(explored)).loss.base.temperature.max == 0.05
 
 
+def test_pbt_mutations_of_the_last_releases_flat_loss_keys_are_upgraded_as_the_spaces_are(tmp_path):
+    """``loss.margin`` in the space and in ``pbt.mutations``: both read as ``loss.base.margin``,
+    each with the FutureWarning naming the new key (its promise kept: no error for the same key);
+    a key written both ways in one of them is named once, not silently replaced."""
+    from pairsim.tune.schedulers import scheduler_of
+
+    old = {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.gamma": {"loguniform": [20, 125]}}
+    with pytest.warns(FutureWarning) as warned:
+        sweep = load_sweep(write_sweep(tmp_path, space={"loss.margin": {"uniform": [0.0, 0.4]}},
+                                       sweep=PBT | {"pbt": {"perturbation_interval": 1, "mutations": old}}))
+    assert sum("loss.gamma " in str(w.message) and "loss.base.gamma" in str(w.message) for w in warned) == 1
+    assert list(sweep.settings.pbt.mutations) == ["loss.base.margin", "loss.base.gamma"]
+    assert sweep.keys == ["loss.base.margin", "loss.base.gamma"]
+    assert set(scheduler_of(sweep)._hyperparam_mutations) == {"loss.base.margin", "loss.base.gamma"}
+    def both():
+        return {"loss.margin": {"uniform": [0.0, 0.4]}, "loss.base.margin": {"uniform": [0.1, 0.2]}}
+
+    with pytest.warns(FutureWarning):
+        message = sweep_error(write_sweep(tmp_path, space=both(), sweep=PBT | {"pbt": {"mutations": both()}}))
+    assert "loss.margin and loss.base.margin" in line_of(message, "space.loss.base.margin: written twice")
+    assert "loss.margin and loss.base.margin" in line_of(message, "sweep.pbt.mutations.loss.base.margin: written twice")
+
+
 def test_pb2_searches_the_mutations_bounds_and_pbt_its_distributions(tmp_path):
     """The same population settings under pbt give Ray's PBT over the mutations' distributions
     (its resampling and factors), under pb2 Ray's PB2 over their bounds as sampled (randint's
@@ -739,9 +762,10 @@ def test_results_csv_reads_back_as_it_was_written(tmp_path):
             for i in range(6)]
     rows.append(TrialRow("00006", "failed", 0, {"loss.cusa.alpha": 0.5, "loss.cusa.beta": 1.0}, None,
                          error="RuntimeError: boom, with a comma"))
+    rows.append(TrialRow("00007", "finished", 3, {"loss.cusa.alpha": 1e-05, "loss.cusa.beta": 2.0}, 400.0))
     write_csv(rows, sweep, tmp_path / "results.csv")
     back = read_csv(tmp_path / "results.csv", sweep)
-    assert back == rows
+    assert back == rows  # 1e-05 a float, as --set reads it (a string to YAML 1.1)
     assert pareto_front(back, sweep.objectives) == pareto_front(rows, sweep.objectives)
 
 

@@ -11,8 +11,11 @@ taking over the same stale lock at once each re-read it before removing it; betw
 and the removal (a few milliseconds) one could still remove the other's fresh lock.
 
 A lock file is read as untrusted input (:func:`pairsim.untrusted.read_model`): anything but what
-pairsim writes — too large, not JSON, a field missing or of another type — is not taken over but
-refused, naming it (:class:`NameInUse`).
+pairsim writes — too large, not JSON, a field missing or of another type, a time that is not one
+(``heartbeat`` or ``started`` later than now by more than :data:`CLOCK_SKEW_S`), a symbolic link
+in the lock's place (never followed, nor created through) — is not taken over but refused, naming
+it (:class:`NameInUse`): a lock pairsim cannot read may belong to a live run, which a takeover
+would corrupt. What it says of its holder is printed cut and escaped (:func:`pairsim.errors.shown`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pairsim import storage
 from pairsim.config import ConfigError
-from pairsim.errors import InputError
+from pairsim.errors import InputError, shown
 from pairsim.log import get_logger
 from pairsim.storage import Location, LocationLike
 from pairsim.untrusted import UntrustedFileError, read_model
@@ -41,6 +46,7 @@ logger = get_logger("locks")
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats: the holder's machine is gone or cut off
 MAX_LOCK_BYTES = 4096  # a lock file as pairsim writes it: a few hundred bytes
+CLOCK_SKEW_S = 300.0  # how far ahead of this host's clock another holder's may run; later times are no lock's
 
 
 class NameInUse(ConfigError):
@@ -58,7 +64,25 @@ class Holder(BaseModel):
     started: str  # ISO 8601, UTC
     command: str
     token: str
-    heartbeat: float  # time.time() of the holder's last rewrite
+    heartbeat: float = Field(ge=0.0)  # time.time() of the holder's last rewrite
+
+    @field_validator("heartbeat")
+    @classmethod
+    def _heartbeat_now_or_before(cls, heartbeat: float) -> float:
+        _not_ahead(heartbeat)
+        return heartbeat
+
+    @field_validator("started")
+    @classmethod
+    def _started_a_time_now_or_before(cls, started: str) -> str:
+        try:
+            when = datetime.fromisoformat(started)
+        except ValueError:
+            raise ValueError("not a time in ISO 8601 (e.g. 2026-01-01T00:00:00+00:00)") from None
+        if when.tzinfo is None:
+            raise ValueError("a time without its time zone")
+        _not_ahead(when.timestamp())
+        return started
 
     @classmethod
     def me(cls) -> Holder:
@@ -70,14 +94,20 @@ class Holder(BaseModel):
     @classmethod
     def read(cls, location: Location) -> Holder:
         """The holder the lock file at ``location`` names; :class:`~pairsim.untrusted.UntrustedFileError`
-        naming it when it cannot be read or is not a lock pairsim writes."""
+        naming it when it is a symbolic link (not followed), cannot be read or is not a lock
+        pairsim writes."""
+        if location.is_local and os.path.islink(location.path):
+            raise UntrustedFileError(f"{location}: a symbolic link (to {shown(os.readlink(location.path))}), not a lock "
+                                     "pairsim writes")
         return read_model(location, cls, MAX_LOCK_BYTES)
 
     def to_json(self) -> bytes:
         return self.model_dump_json().encode()
 
     def describe(self) -> str:
-        return f"{self.user}@{self.host} pid {self.pid} since {self.started} ({self.command})"
+        """Who holds the lock, as its file says, cut and escaped: ``user@host pid N since T (command)``."""
+        return (f"{shown(self.user, 80)}@{shown(self.host, 80)} pid {self.pid} since {shown(self.started, 80)} "
+                f"({shown(self.command)})")
 
     def gone(self) -> str | None:
         """Why this holder is no longer holding (its process ended here, or its heartbeat
@@ -88,6 +118,20 @@ class Holder(BaseModel):
         if silent > STALE_AFTER_S:
             return f"its heartbeat stopped {silent:.0f} s ago"
         return None
+
+
+def _not_ahead(timestamp: float) -> None:
+    """ValueError unless ``timestamp`` is at most :data:`CLOCK_SKEW_S` ahead of this host's clock:
+    a lock's time later than that was written by no holder (a heartbeat of 1e300 would make a lock
+    that never goes stale)."""
+    ahead = timestamp - time.time()
+    if ahead > CLOCK_SKEW_S:
+        raise ValueError(f"{ahead:.3g} s ahead of this host's clock (at most {CLOCK_SKEW_S:g} s of clock skew is taken)")
+
+
+def _present(location: Location) -> bool:
+    """Whether something is in the lock's place: a file, or a link (followed or not)."""
+    return os.path.lexists(location.path) if location.is_local else location.is_file()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -136,7 +180,7 @@ def acquire(location: LocationLike, what: str) -> Lock:
     whose holder is gone; :class:`NameInUse` naming the holder when it is alive, or the file when
     it is not a lock pairsim can read; :class:`~pairsim.errors.InputError` naming it when it
     cannot be created there (a read-only place)."""
-    location = Location.of(location)
+    location = _unresolved(location)
     me = Holder.me()
     for _ in range(2):
         try:
@@ -148,7 +192,7 @@ def acquire(location: LocationLike, what: str) -> Lock:
         try:
             holder = Holder.read(location)
         except UntrustedFileError as exc:
-            if not location.is_file():  # released between the two calls
+            if not _present(location):  # released between the two calls
                 continue
             problem = " ".join(str(exc).split())  # one line: a field error lists each on its own; names the file
             raise NameInUse(f"{what}: not a readable pairsim lock: {problem}; if no run holds it, delete it") from None
@@ -161,6 +205,14 @@ def acquire(location: LocationLike, what: str) -> Lock:
             if Holder.read(location) == holder:  # not a fresh lock another start just took
                 location.delete()
     raise NameInUse(f"{what}: another start took the lock {location} at the same moment")
+
+
+def _unresolved(location: LocationLike) -> Location:
+    """``location`` as a :class:`Location` whose last part is not resolved: a link in the lock's
+    place stays a link, named by :meth:`Holder.read` (:meth:`Location.of` follows links)."""
+    if isinstance(location, Location) or storage.is_uri(location):
+        return Location.of(location)
+    return Location.of(Path(location).parent) / Path(location).name
 
 
 @contextlib.contextmanager

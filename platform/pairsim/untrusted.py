@@ -57,7 +57,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for key, value in pairs:
         if key in tree:
-            raise DuplicateKey(f"the key {shown(key, 80)!r} appears twice in one object")
+            raise DuplicateKey(f"the key '{shown(key, 80)}' appears twice in one object")
         tree[key] = value
     return tree
 
@@ -112,7 +112,7 @@ def child(root: LocationLike, name: str, what: str, error: type[Exception] = Unt
     """``root / name`` for a ``name`` read from a file (a split, a shard, a trial): ``error``
     naming ``what`` unless it is one plain name, so the path stays under ``root``."""
     if not is_plain_name(name):
-        raise error(f"{what}: {shown(name, 80)!r} is not a plain file or directory name; it could lead outside "
+        raise error(f"{what}: '{shown(name, 80)}' is not a plain file or directory name; it could lead outside "
                     f"{root}")
     return Location.of(root) / name
 

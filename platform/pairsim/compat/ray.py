@@ -1,7 +1,8 @@
 """What pairsim uses of Ray beyond its public API: the loopback switch of ``ray._private``
 (:func:`node_on_loopback`), ``ray.init``'s private ``_system_config`` (:func:`worker_soft_limit`),
 the log-deduplication variable read when ``ray`` is imported (:func:`quiet_worker_count_warning`),
-Ray Train's record of a run's checkpoints (:data:`TRAIN_RECORD`), the ``SystemExit`` of Ray
+Ray Train's record of a run's checkpoints (:data:`TRAIN_RECORD`, read as untrusted input:
+:func:`train_record_checkpoints`), the ``SystemExit`` of Ray
 Train's Ctrl-C handler (:func:`ctrl_c_in_fit`) and the switch of Ray Train's preemption watcher
 (:data:`ONE_MACHINE_ENV`).
 
@@ -11,7 +12,7 @@ Imports no ``ray`` at module level: ``import pairsim`` calls :func:`quiet_worker
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import os
 import signal
 import time
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 from pairsim.signals import JobStopped
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from pairsim.storage import Location
 
 TESTED = "ray>=2.60,<2.61"
@@ -28,6 +31,7 @@ TESTED = "ray>=2.60,<2.61"
 TRAIN_RECORD = "checkpoint_manager_snapshot.json"
 """Ray Train's record of a run's checkpoints, in the run directory (Train V2's
 ``CHECKPOINT_MANAGER_SNAPSHOT_FILENAME``)."""
+TRAIN_RECORD_MAX_BYTES = 64 * 2**20  # of TRAIN_RECORD: each kept checkpoint's name and its reported metrics
 
 ONE_MACHINE_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 """Environment variables of a local instance's workers: no preemption watcher (Train V2's
@@ -73,13 +77,44 @@ def worker_soft_limit(limit: int) -> dict[str, Any]:
     return {"_system_config": {"num_workers_soft_limit": limit}}
 
 
+@functools.cache
+def train_record_model() -> type[BaseModel]:
+    """What pairsim reads of :data:`TRAIN_RECORD` (Train V2's ``_CheckpointManagerState``), as a
+    typed model: the checkpoints it ranks (``checkpoint_results``, each a ``checkpoint_dir_name``
+    that is one plain name); Ray Train's other fields are left to it. Built on first use:
+    ``import pairsim`` imports no pydantic."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from pairsim.untrusted import PLAIN_NAME
+
+    class RecordedCheckpoint(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+        checkpoint_dir_name: str = Field(pattern=f"^{PLAIN_NAME}$")
+
+    class TrainRecord(BaseModel):
+        model_config = ConfigDict(extra="allow")
+
+        checkpoint_results: list[RecordedCheckpoint]
+
+    return TrainRecord
+
+
 def train_record_checkpoints(run: Location) -> list[str]:
     """The checkpoint directory names Ray Train's record of ``run`` (a run directory) lists;
-    none without a record."""
+    none without a record. :class:`~pairsim.untrusted.UntrustedFileError` naming the file when
+    it is not one Ray Train writes (:func:`train_record_model`): not a regular file, not JSON,
+    over :data:`TRAIN_RECORD_MAX_BYTES`, a field missing or of another type, a name that is not
+    one plain directory name."""
+    import pyarrow.fs
+
+    from pairsim import untrusted
+
     record = run / TRAIN_RECORD
-    if not record.is_file():
+    if record.info().type == pyarrow.fs.FileType.NotFound:
         return []
-    return [result["checkpoint_dir_name"] for result in json.loads(record.read_text())["checkpoint_results"]]
+    read = untrusted.read_model(record, train_record_model(), TRAIN_RECORD_MAX_BYTES)
+    return [result.checkpoint_dir_name for result in read.checkpoint_results]
 
 
 def set_aside_train_record(run: Location) -> Location:

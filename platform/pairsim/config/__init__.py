@@ -13,7 +13,7 @@ chosen by name (base losses, structures, teachers, fusions) and their parameters
 
 from pairsim.config.fields import (Bool, ConfigError, Float, Int, PathOrUri, Section, check_tracking_uri, format_errors,
                                    registered)
-from pairsim.config.loading import apply_overrides, layer, load_config, read_yaml
+from pairsim.config.loading import apply_overrides, layer, load_config, read_yaml, yaml_value
 from pairsim.config.components import (BASE_LOSSES, FUSIONS, STRUCTURES, TEACHERS, BaseLossParams, Choosing, Family,
                                        StructureParams, TeacherParams, TemperatureConfig)
 from pairsim.config.schema import (DEEPSPEED_OWNED_KEYS, LABEL, LOCAL_PATH_KEYS, CUSAConfig, DataConfig, EvalConfig,
@@ -22,8 +22,8 @@ from pairsim.config.schema import (DEEPSPEED_OWNED_KEYS, LABEL, LOCAL_PATH_KEYS,
 from pairsim.config.tree import MISSING, flatten, get_dotted, merge, set_dotted
 
 __all__ = ["Bool", "ConfigError", "Float", "Int", "PathOrUri", "Section", "format_errors", "registered",
-           "apply_overrides", "layer", "load_config", "read_yaml", "BASE_LOSSES", "FUSIONS", "STRUCTURES", "TEACHERS",
-           "BaseLossParams", "Choosing", "Family", "StructureParams", "TeacherParams", "TemperatureConfig",
+           "apply_overrides", "layer", "load_config", "read_yaml", "yaml_value", "BASE_LOSSES", "FUSIONS", "STRUCTURES",
+           "TEACHERS", "BaseLossParams", "Choosing", "Family", "StructureParams", "TeacherParams", "TemperatureConfig",
            "DEEPSPEED_OWNED_KEYS", "LABEL", "LOCAL_PATH_KEYS", "CUSAConfig", "DataConfig", "EvalConfig", "LossConfig",
            "ModelConfig", "NodeRolesConfig", "OptimConfig", "RayConfig", "RunConfig", "TrackingConfig", "TrainConfig",
            "absolute_paths", "check_tracking_uri", "validate", "MISSING", "flatten", "get_dotted", "merge",

@@ -26,7 +26,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from pairsim.config.fields import Bool, Float, Int, Section
+from pairsim.config.fields import Bool, ConfigError, Float, Int, Section
+from pairsim.errors import shown
 
 
 class BoundedConfig(Section):
@@ -221,11 +222,13 @@ class Family:
         return list(self.builtins) + sorted(set(self._entry_points()) - set(self.builtins))
 
     def plugin(self, name: str) -> Any:
-        """The class a plugin's entry point ``name`` names (loaded, checked once); KeyError if none."""
+        """The class a plugin's entry point ``name`` names (loaded, checked once); KeyError if none,
+        :class:`PluginError` if it is not a part."""
         return _load_plugin(self, name)
 
     def params(self, name: Any) -> type[Section] | None:
-        """The parameter model of the part named ``name``; None for a name nobody registered."""
+        """The parameter model of the part named ``name``; None for a name nobody registered,
+        :class:`PluginError` for a plugin that is not a part."""
         if not isinstance(name, str):
             return None
         if name in self.builtins:
@@ -240,19 +243,43 @@ class Family:
     def parameters(self, name: str) -> str:
         """The keys the part owns, with their defaults, or ``—``."""
         fields = {k: f for k, f in self.params(name).model_fields.items() if k != self.selector}
-        shown = [f"`{key}`" + ("" if f.is_required() or f.default_factory else f" = {f.default!r}")
-                 for key, f in fields.items()]
-        return ", ".join(shown) or "—"
+        listed = [f"`{key}`" + ("" if f.is_required() or f.default_factory else f" = {f.default!r}")
+                  for key, f in fields.items()]
+        return ", ".join(listed) or "—"
+
+
+class PluginError(ConfigError):
+    """An installed plugin's entry point that does not give a part: its module fails to import
+    (or raises as it runs), the name is not there, it is not a class, or its ``Params`` does not
+    subclass its family's base model. ``problem`` names the entry point and the cause; the
+    message starts with the family's key."""
+
+    def __init__(self, family: Family, problem: str):
+        super().__init__(f"{family.key}: {problem}", [family.key])
+        self.problem = problem
 
 
 @functools.cache
 def _load_plugin(family: Family, name: str) -> Any:
+    """The class the entry point ``name`` of ``family`` names, loaded and checked (a success is
+    cached); :class:`PluginError` for whatever keeps it from being a part: a plugin is third-party
+    code, so anything its import raises is caught."""
     entry = family._entry_points()[name]
-    loaded = entry.load()
+    package = f", package {shown(entry.dist.name, 80)}" if entry.dist else ""
+    where = f"the entry point {shown(entry.name, 80)} = '{shown(entry.value)}' (group {family.group}{package})"
+    try:
+        loaded = entry.load()
+    except Exception as exc:  # noqa: BLE001 (third-party code: an ImportError, or anything its import raises)
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PluginError(family, f"{where} cannot be loaded ({type(exc).__name__}: {shown(cause)}); fix or "
+                                  "reinstall the plugin, or choose another part") from None
+    if not isinstance(loaded, type):
+        raise PluginError(family, f"{where} names {type(loaded).__name__} "
+                                  f"'{shown(getattr(loaded, '__qualname__', loaded), 80)}', not a class")
     params = getattr(loaded, "Params", None)
     if not (isinstance(params, type) and issubclass(params, family.base)):
-        raise TypeError(f"entry point {name} = {entry.value!r} (group {family.group}): its Params must subclass "
-                        f"pairsim.config.components.{family.base.__name__}")
+        raise PluginError(family, f"{where}: its Params must subclass pairsim.config.components."
+                                  f"{family.base.__name__}")
     return loaded
 
 
@@ -277,10 +304,18 @@ def _not_a_key(error: InitErrorDetails, family: Family, name: str) -> InitErrorD
     if error["type"].type != "extra_forbidden" or len(error["loc"]) != 2:
         return error
     key, own = error["loc"][1], [k for k in family.params(name).model_fields if k != family.selector]
-    others = [n for n in family.names() if key in family.params(n).model_fields]
+    others = [n for n in family.names() if key in _keys_of(family, n)]
     message = (f"not a key of {family.key} {name!r} (its keys: {', '.join(own) or 'none'}"
                + (f"; {key} is a key of {', '.join(map(repr, others))})" if others else ")"))
     return error | {"type": PydanticCustomError("not_a_parameter", message)}
+
+
+def _keys_of(family: Family, name: str) -> dict[str, Any]:
+    """The keys of ``family``'s part ``name``; none for a plugin that does not load (named where it is chosen)."""
+    try:
+        return family.params(name).model_fields
+    except PluginError:
+        return {}
 
 
 def _selected(default: Any, selector: str) -> Any:
@@ -312,7 +347,13 @@ class Choosing(Section):
                 continue  # absent (the default), None, a validated part, or a wrong type the handler names
             default = cls.model_fields[field].get_default(call_default_factory=True)
             name = value.get(family.selector, _selected(default, family.selector))
-            params = family.params(name)
+            try:
+                params = family.params(name)
+            except PluginError as exc:
+                errors.append({"type": PydanticCustomError("plugin", "{problem}", {"problem": exc.problem}),
+                               "loc": (field, family.selector), "input": name})
+                data.pop(field)
+                continue
             if params is None:
                 errors.append({"type": PydanticCustomError(
                     "unregistered", "not a registered name (registered: {names})", {"names": ", ".join(family.names())}),

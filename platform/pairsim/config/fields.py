@@ -12,7 +12,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Str
 from pydantic_core import PydanticCustomError
 
 from pairsim import storage
-from pairsim.errors import InputError
+from pairsim.errors import InputError, shown
 
 # Numbers and flags are taken as written: no bool for a number, no string for either, no float
 # for an int (an int for a float is fine: ``lr: 1``); floats must be finite (``allow_inf_nan``).
@@ -126,14 +126,14 @@ def format_errors(err: ValidationError, source: str) -> str:
     (URIs masked), headed by how many there are and ``source``."""
     lines = []
     for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"])[:EXCERPT] or "<root>"
+        path = shown(".".join(str(p) for p in e["loc"]), EXCERPT) or "<root>"  # keys as the file wrote them
         if e["type"] == "extra_forbidden":
             lines.append(f"{path}: unknown key")
         else:
             got = e.get("input")
-            shown = repr(storage.masked(got) if storage.is_uri(got) else got)
-            shown = shown if len(shown) <= EXCERPT else shown[:EXCERPT] + f"… ({len(shown):,} characters)"
-            lines.append(f"{path}: {e['msg']} (got {shown})")
+            given = repr(storage.masked(got) if storage.is_uri(got) else got)
+            given = given if len(given) <= EXCERPT else given[:EXCERPT] + f"… ({len(given):,} characters)"
+            lines.append(f"{path}: {e['msg']} (got {given})")
     return error_list(lines, source)
 
 

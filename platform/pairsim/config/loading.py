@@ -14,6 +14,7 @@ from pairsim.config.fields import ConfigError
 from pairsim.config.components import drop_replaced_parts, upgrade
 from pairsim.config.schema import RunConfig, validate
 from pairsim.config.tree import merge, set_dotted
+from pairsim.errors import shown
 
 MAX_CONFIG_BYTES = 1 << 20  # a config or sweep file: what ray job submit hands a shared cluster's head
 MAX_DEPTH = 64  # nested sections and lists
@@ -55,7 +56,7 @@ class _YamlLoader(yaml.SafeLoader):
                 continue  # an unhashable key: the constructor names it
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {str(key)[:80]!r} appears twice (lines {seen[key]} and "
+                    None, None, f"the key '{shown(key, 80)}' appears twice (lines {seen[key]} and "
                                 f"{key_node.start_mark.line + 1}): the second would replace the first", key_node.start_mark)
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
@@ -76,9 +77,31 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader)
 
 
+def yaml_value(raw: str) -> Any:
+    """A value written on a command line or in a cell (``--set KEY=VALUE``'s, a results.csv
+    point's) as YAML with a config file's loader and bounds (no alias, no tag, YAML 1.2's floats);
+    an empty one is None. ``yaml.YAMLError`` (:func:`yaml_problem` says where and what) when it
+    is not."""
+    return _yaml_load(raw) if raw.strip() else None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where and what ``exc`` (PyYAML's) says is wrong — ``line 3, column 7: mapping values are
+    not allowed here`` — without the excerpt of the text PyYAML adds: a file given as a config
+    may be anything (a password file), so none of its lines is echoed, and what PyYAML quotes
+    of it in the problem (a tag, a key) is cut and escaped (:func:`pairsim.errors.shown`)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        return where + "; ".join(shown(part) for part in (exc.context, exc.problem) if part)
+    if isinstance(exc, yaml.reader.ReaderError):  # a character YAML does not take (a control character)
+        return f"character {exc.position + 1}: {shown(str(exc).splitlines()[0])}"  # its code, not the character
+    return shown(" ".join(str(exc).split()))
+
+
 def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[BaseModel] | None = None
                     ) -> dict[str, Any]:
-    """Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists.
+    r"""Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists.
     With ``model`` (:class:`RunConfig`) each is :func:`~pairsim.config.components.upgrade`\ d and
     merged, so ``loss.base=infonce`` and ``loss.base.temperature.init=0.07`` name a part and set
     its key in either order."""
@@ -89,7 +112,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[Base
             errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.base.margin=0.3")
             continue
         try:
-            value = _yaml_load(raw) if raw.strip() else None
+            value = yaml_value(raw)
             if model is None:
                 set_dotted(tree, key.strip(), value)
             else:  # one layer: a part named and its keys set merge, whatever their order
@@ -97,7 +120,7 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[Base
                 set_dotted(one, key.strip(), value)
                 tree = merge(upgrade(tree, model), upgrade(one, model))
         except yaml.YAMLError as exc:
-            errors.append(f"--set {item[:200]!r}: not valid YAML: {exc}")
+            errors.append(f"--set {item[:200]!r}: not valid YAML: {yaml_problem(exc)}")
             keys.append(key.strip()[:200])
         except ValueError as exc:
             errors.append(f"--set {item[:200]!r}: {exc}")
@@ -121,14 +144,14 @@ def read_yaml(path: Path, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     try:
         loaded = _yaml_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
     return loaded or {}
 
 
 def layer(tree: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    """``overlay`` (a nested config tree) laid on ``tree`` (both :func:`~pairsim.config.components.upgrade`\ d):
+    r"""``overlay`` (a nested config tree) laid on ``tree`` (both :func:`~pairsim.config.components.upgrade`\ d):
     sections merge key by key; a part the overlay names anew (``loss.base: infonce`` over
     ``unified``) replaces the earlier one's whole subsection."""
     overlay = upgrade(overlay, RunConfig)

@@ -430,14 +430,17 @@ LOCAL_PATH_KEYS = ("data.path", "data.val_path", "ray.storage_path", "loss.cusa.
 def absolute_paths(tree: dict[str, Any]) -> dict[str, Any]:
     """``tree`` with its local paths made absolute against the working directory (a job's is
     where ``ray job submit --working-dir`` unpacked it), so that workers in any directory find
-    the same files. URIs (``s3://…``) stay as they are, and ``model.pretrained`` is a path only
-    when it names an existing file (else an open_clip tag)."""
+    the same files. A symbolic link stays the path the user wrote (what reads it follows it, and
+    messages name both: ``model.init_from``'s link and where it leads). URIs (``s3://…``) stay as
+    they are, and ``model.pretrained`` is a path only when it names an existing file (else an
+    open_clip tag)."""
     flat = flatten(tree)
     for key in LOCAL_PATH_KEYS:
         value = flat.get(key)
         if value is None or (key == "model.pretrained" and not Path(value).is_file()):
             continue
-        set_dotted(tree, key, str(storage.absolute(value)))
+        parsed = storage.parse(value)
+        set_dotted(tree, key, parsed if isinstance(parsed, str) else str(parsed.absolute()))
     return tree
 
 

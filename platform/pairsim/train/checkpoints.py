@@ -190,11 +190,19 @@ def inventory(path: str | Path) -> list[tuple[storage.Location, ModelCard | None
 
 def set_aside_stale_snapshot(run: storage.Location) -> None:
     """Ray Train refuses a run directory whose record of its checkpoints names one that is gone
-    (deleted by hand to free space or drop a bad epoch). When ``run``'s record does, it is
-    renamed ``<name>.stale-<time>`` with a warning naming what is gone; Ray Train then starts a
+    (deleted by hand to free space or drop a bad epoch), or that is not a record it wrote
+    (garbled, cut short, another tool's file: read as untrusted input,
+    :func:`pairsim.compat.ray.train_record_checkpoints`). Such a record of ``run`` is renamed
+    ``<name>.stale-<time>``, kept, with a warning naming what is wrong; Ray Train then starts a
     new record (checkpoints saved before are not ranked in it) and :func:`restore` resumes from
-    the newest checkpoint left."""
-    listed = compat.ray.train_record_checkpoints(run)
+    the newest checkpoint left that verifies — the run stays resumable and loses no checkpoint."""
+    try:
+        listed = compat.ray.train_record_checkpoints(run)
+    except untrusted.UntrustedFileError as exc:
+        aside = compat.ray.set_aside_train_record(run)
+        logger.warning("%s: Ray Train's record of the run is not one it wrote (%s); it is set aside as %s",
+                       run, " ".join(str(exc).split()), aside.name)
+        return
     gone = [name for name in listed if (run / name).info().type != pyarrow.fs.FileType.Directory]
     if gone:
         aside = compat.ray.set_aside_train_record(run)
@@ -396,14 +404,28 @@ def _export_card(path: Path) -> ModelCard:
     return retrieval.verified_export_card(path)
 
 
+def init_from_source(path: str | Path) -> tuple[Path, str]:
+    """(where ``model.init_from`` ``path`` leads, what a message about it starts with): ``path``
+    itself and nothing, or through symbolic links the file or directory they lead to (an
+    export's card and heads file lie beside it, not beside a link to it) and ``<path> leads to
+    <target>: ``, so that the path the config gives is named too. ValueError naming ``path`` for
+    a loop of links."""
+    path = Path(path)
+    try:
+        source = path.resolve()
+    except (RuntimeError, OSError):  # Path.resolve's word for a loop
+        raise ValueError(f"{path}: a loop of links") from None
+    return source, "" if source == Path(os.path.abspath(path)) else f"{path} leads to {source}: "
+
+
 def initial_state(path: str | Path) -> tuple[ModelCard, dict[str, torch.Tensor]]:
     """(model card, :class:`~pairsim.models.retrieval.RetrievalModel` state dict) of what
-    ``model.init_from`` names: a checkpoint directory (verified, then consolidated as
-    :func:`checkpoint_state_dict` does) or an export (``model.pt`` with its card and heads file
-    beside it, :func:`~pairsim.models.retrieval.write_exported`, its files checked first). Every
-    file is opened with :func:`load_checkpoint_file`: a pickle that would run code is refused,
-    nothing in it run."""
-    path = Path(path)
+    ``model.init_from`` names (:func:`init_from_source`): a checkpoint directory (verified, then
+    consolidated as :func:`checkpoint_state_dict` does) or an export (``model.pt`` with its card
+    and heads file beside it, :func:`~pairsim.models.retrieval.write_exported`, its files checked
+    first). Every file is opened with :func:`load_checkpoint_file`: a pickle that would run code is
+    refused, nothing in it run."""
+    path, _ = init_from_source(path)
     if path.is_dir():
         card = verified_card(path)
         return card, checkpoint_state_dict(path, card.zero_stage)
@@ -421,10 +443,14 @@ def check_init_from(cfg: ModelConfig) -> None:
     """Driver-side check of ``model.init_from``: it exists, is a pairsim export or a checkpoint that
     verifies, holds only tensors, and was trained as the configured ``model.arch`` (an export's
     weights are also matched, name and shape, against that architecture; memory-mapped, on the
-    meta device). :class:`ConfigError` naming the key otherwise."""
+    meta device). :class:`ConfigError` naming the key and the path as the config gives it (and,
+    through a link, where it leads: :func:`init_from_source`) otherwise."""
     if cfg.init_from is None:
         return
-    path = Path(cfg.init_from)
+    try:
+        path, through = init_from_source(cfg.init_from)
+    except ValueError as exc:
+        raise ConfigError(f"model.init_from: {exc}") from None
     try:
         if path.is_dir():
             card = verified_card(path)
@@ -448,7 +474,7 @@ def check_init_from(cfg: ModelConfig) -> None:
                 raise ValueError(f"{path}: its open_clip weights do not fit {cfg.arch} ({len(wrong)} tensors missing, "
                                  f"unexpected or of another shape, e.g. {', '.join(wrong[:3])})")
     except (OSError, ValueError) as exc:  # UnsafeCheckpointError and MetadataError are ValueErrors
-        raise ConfigError(f"model.init_from: {exc}") from None
+        raise ConfigError(f"model.init_from: {through}{exc}") from None
 
 
 def load_initial_weights(model: retrieval.RetrievalModel, path: str | Path) -> None:

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import gc
 import logging
+import os
 import pickle
 import tempfile
 from collections.abc import Callable
@@ -29,7 +30,7 @@ import torch
 from ray.train import CheckpointConfig, DataConfig, FailureConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
 
-from pairsim import build, cluster, compat, dist, locks, log, signals, storage, tracking
+from pairsim import build, cluster, compat, dist, locks, log, signals, storage, tracking, untrusted
 from pairsim.config import ConfigError, RunConfig
 from pairsim.data import ingest, shards, skips
 from pairsim.data.shard_reader import checksum_failure
@@ -232,6 +233,20 @@ RUN_LOCK = "pairsim-run.lock"  # in the run's directory while it lives (pairsim.
 STARTUP_RETRIES = 2  # worker-group start-up attempts (60 s each) a sweep trial retries before failing
 
 
+def run_directory(storage_path: storage.LocationLike, name: str, what: str) -> storage.Location:
+    """``<storage_path>/<name>``, where the run or sweep ``name`` (given by ``what``: ``ray.run_name``,
+    ``--name``) keeps its checkpoints, state and lock: :class:`ConfigError` unless ``name`` is one
+    plain name (:func:`pairsim.untrusted.child`) and, on a local path, the place is no symbolic
+    link — a run writes into a directory of its own under ``ray.storage_path``, never through a
+    link to somewhere else."""
+    directory = untrusted.child(storage.Location.of(storage_path), name, what, ConfigError)
+    if directory.is_local and os.path.islink(directory.path):
+        raise ConfigError(f"{what}: {directory} is a symbolic link (to {os.path.realpath(directory.path)}); a run or "
+                          "sweep writes only into a directory of its own under ray.storage_path: choose another name, "
+                          "or remove the link")
+    return directory
+
+
 def fit(cfg: RunConfig, role: RunRole = STANDALONE, resume: bool = False) -> TrainResult:
     """Plan, launch and finalize one run; its MLflow run ends FINISHED, FAILED, or KILLED when a
     ``KeyboardInterrupt`` (Ctrl-C, or SIGTERM from ``ray job stop`` under
@@ -245,11 +260,11 @@ def fit(cfg: RunConfig, role: RunRole = STANDALONE, resume: bool = False) -> Tra
     cfg = cfg.with_absolute_paths()
     plan = plan_run(cfg)
     run_name = cfg.ray.run_name or datetime.now().strftime("pairsim-%Y%m%d-%H%M%S")
-    lock = storage.Location.of(cfg.ray.storage_path) / run_name / RUN_LOCK
-    with locks.hold(lock, f"ray.run_name {run_name!r}") if role.holds_name else contextlib.nullcontext():
+    run_dir = run_directory(cfg.ray.storage_path, run_name, "ray.run_name")
+    with locks.hold(run_dir / RUN_LOCK, f"ray.run_name {run_name!r}") if role.holds_name else contextlib.nullcontext():
         if role.holds_name:
             check_resume(cfg, run_name, resume)
-        return launch(cfg, plan, run_name, clock, role)
+        return launch(cfg, plan, run_dir, clock, role)
 
 
 @contextlib.contextmanager
@@ -290,10 +305,12 @@ def check_resume(cfg: RunConfig, run_name: str, resume: bool) -> None:
                 {"FINISHED": "finished", "RUNNING": "ended without a word (killed?)"}.get(status, status.lower()))
 
 
-def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, role: RunRole) -> TrainResult:
+def launch(cfg: RunConfig, plan: RunPlan, run_dir: storage.Location, clock: StartupClock, role: RunRole) -> TrainResult:
     """Start or join Ray, open the MLflow run, build the Ray Data pipelines and run the workers'
-    :class:`~pairsim.train.recipe.Recipe` under a ``TorchTrainer``; then :func:`export_and_test`
-    when the run is ``role.tested``."""
+    :class:`~pairsim.train.recipe.Recipe` under a ``TorchTrainer`` in ``run_dir``
+    (:func:`run_directory`, its name the run's); then :func:`export_and_test` when the run is
+    ``role.tested``."""
+    run_name = run_dir.name
     clock.lap("checks")
     per_epoch, ds_config = plan.steps_per_epoch, plan.deepspeed_config
     tracking_uri = tracking.resolve_tracking_uri(cfg.tracking.tracking_uri)
@@ -320,7 +337,6 @@ def launch(cfg: RunConfig, plan: RunPlan, run_name: str, clock: StartupClock, ro
         datasets = data_config.configure(datasets, world_size=1, worker_handles=None, worker_node_ids=None)[0]
     worker_resources = {"CPU": cfg.train.cpus_per_worker} | ({"GPU": cfg.train.gpus_per_worker}
                                                              if cfg.train.use_gpu else {})
-    run_dir = storage.Location.of(cfg.ray.storage_path) / run_name
     checkpoints.set_aside_stale_snapshot(run_dir)
     if in_process:  # where Ray Train would have made it
         run_dir.fs.create_dir(run_dir.path, recursive=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pairsim import tracking
+from pairsim.config import yaml_value
 from pairsim.data import shards
 from pairsim.tune.space import POPULATION_SCHEDULERS, Sweep
 
@@ -175,12 +176,10 @@ def read_csv(path: Path, sweep: Sweep) -> list[TrialRow]:
     """The rows :func:`write_csv` wrote (their points, best metric, last-epoch objectives, run and
     error; not their curves), in the file's order: a finished sweep's results compared or
     re-ranked later without Ray."""
-    import yaml
-
     last = [m for m, _ in sweep.objectives] if sweep.multi_objective else []
     with open(path, newline="") as f:
         return [TrialRow(r["trial_id"], r["status"], int(r["epochs"]),
-                         {k: yaml.safe_load(r[k]) for k in sweep.keys if r[k] != ""},
+                         {k: yaml_value(r[k]) for k in sweep.keys if r[k] != ""},
                          float(r[sweep.metric]) if r[sweep.metric] else None, r["mlflow_run_id"] or None, r["error"],
                          values={m: float(r[f"last {m}"]) for m in last if r[f"last {m}"]})
                 for r in csv.DictReader(f)]

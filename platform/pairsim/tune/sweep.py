@@ -20,7 +20,10 @@ Resume: the Tune experiment lives at ``<ray.storage_path>/<name>``; running the 
 ones continue from their Ray Train checkpoints into the same child runs. Tune's restore
 unpickles its state files (:data:`TUNE_STATE_FILES`), which would run any code put in them: when
 the sweep runs (every few seconds) and when its driver stops, pairsim records their SHA-256s in
-:data:`STATE_FILE`, and resumes only when every one of them still has its recorded digest. A
+:data:`STATE_FILE`, and the SHA-256 of that record (:func:`state_digest`) on the sweep's MLflow
+parent run (:data:`TUNE_STATE_TAG`), outside the sweep directory: whoever can rewrite the
+directory cannot vouch for a record of their own. A resume unpickles the state only when the
+parent run holds the digest of the record, and every file still has its recorded SHA-256. A
 driver killed outright resumes from its last record; Tune state written after it is refused
 (the sweep then runs again under a new name, its trials' directories and MLflow runs left as
 they are).
@@ -28,6 +31,8 @@ they are).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -38,12 +43,15 @@ from pathlib import Path
 from typing import Annotated
 
 import ray
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict, Field
 from ray import tune
 
 from pairsim import cluster, locks, log, signals, tracking, untrusted
 from pairsim.config import ConfigError
-from pairsim.storage import Location
+from pairsim.errors import described
+from pairsim.storage import Location, masked
 from pairsim.train import driver
 from pairsim.tune import results
 from pairsim.tune.space import Sweep
@@ -58,6 +66,7 @@ TUNE_STATE_FILES = ("*.pkl", "*.json", "*/*.pkl")
 algorithm's and callbacks' state (``searcher-state-*.pkl``, ``basic-variant-state-*.json``, ...,
 pickles whatever their suffix); a trial's ``error.pkl``."""
 RECORD_EVERY_S = 5.0  # how often a running sweep records its Tune state's digests (TuneStateRecorder)
+TUNE_STATE_TAG = "pairsim.tune_state_sha256"  # on the sweep's MLflow parent run: state_digest of its record
 SWEEP_LOCK = "pairsim-sweep.lock"  # in the sweep's directory while it runs (pairsim.locks)
 TUNE_CHECKPOINTS_KEPT = 4  # per PBT trial (Ray warns that 2 or fewer can delete what a clone needs)
 TRIAL_MEMORY = 256 * 2**20  # bytes the trial function itself reserves
@@ -70,7 +79,7 @@ class SweepState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     digest: str  # Sweep.digest() of the sweep run here: a resume must match it
-    parent_run_id: str
+    parent_run_id: str = Field(pattern=r"^[0-9a-f]{32}$")  # an MLflow run id: the record of TUNE_STATE_TAG
     source: str  # the sweep file
     tune_state: dict[str, Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = {}
     """Each of Tune's state files (:func:`tune_state_files`) → its SHA-256 when the driver last stopped."""
@@ -80,10 +89,10 @@ class UnvouchedTuneState(untrusted.UntrustedFileError):
     """A file of Tune's sweep state whose bytes pairsim did not record: resuming would unpickle it."""
 
     def __init__(self, problem: str):
-        super().__init__(f"{problem}. Tune unpickles it to resume the sweep, which would run any code put in it, so "
-                         "pairsim resumes only the state it recorded when the sweep driver stopped (a driver killed "
-                         "outright records none). Run the sweep under a new --name; the trials run so far stay in "
-                         "their directories and MLflow")
+        super().__init__(f"{problem}. Tune unpickles its state to resume the sweep, which would run any code put in "
+                         "it, so pairsim resumes only the state whose SHA-256s it recorded as the sweep ran, that "
+                         f"record vouched for by the sweep's MLflow run ({TUNE_STATE_TAG}). Run the sweep under a new "
+                         "--name; the trials run so far stay in their directories and MLflow")
 
 
 def read_state(exp_dir: Path) -> SweepState:
@@ -92,8 +101,18 @@ def read_state(exp_dir: Path) -> SweepState:
     return untrusted.read_model(exp_dir / STATE_FILE, SweepState, STATE_MAX_BYTES)
 
 
-def write_state(exp_dir: Path, state: SweepState) -> None:
-    """``state`` as the sweep's :data:`STATE_FILE`, atomically."""
+def state_digest(tune_state: dict[str, str]) -> str:
+    """One SHA-256 of a record of Tune's state files (each name with its SHA-256, in name order):
+    what the sweep's MLflow parent run keeps of it (:data:`TUNE_STATE_TAG`), 64 characters however
+    many files there are (MLflow bounds a tag's value)."""
+    return hashlib.sha256(json.dumps(sorted(tune_state.items())).encode()).hexdigest()
+
+
+def write_state(exp_dir: Path, state: SweepState, tracking_uri: str) -> None:
+    """``state`` as the sweep's :data:`STATE_FILE`, atomically, after the digest of its record of
+    Tune's state (:func:`state_digest`) as its MLflow parent run's :data:`TUNE_STATE_TAG`. A driver
+    stopped between the two leaves them differing: that state is not resumed."""
+    MlflowClient(tracking_uri).set_tag(state.parent_run_id, TUNE_STATE_TAG, state_digest(state.tune_state))
     Location.of(exp_dir / STATE_FILE).write_text(state.model_dump_json(indent=2))
 
 
@@ -103,10 +122,40 @@ def tune_state_files(exp_dir: Path) -> dict[str, Path]:
             for path in sorted(exp_dir.glob(pattern)) if path.name != STATE_FILE and path.is_file()}
 
 
-def record_tune_state(exp_dir: Path, state: SweepState) -> None:
-    """``state`` into :data:`STATE_FILE` with the SHA-256 of each of Tune's state files as they are now."""
+def record_tune_state(exp_dir: Path, state: SweepState, tracking_uri: str) -> None:
+    """``state`` into :data:`STATE_FILE` (:func:`write_state`) with the SHA-256 of each of Tune's
+    state files as they are now."""
     digests = {name: untrusted.sha256(path) for name, path in tune_state_files(exp_dir).items()}
-    write_state(exp_dir, state.model_copy(update={"tune_state": digests}))
+    write_state(exp_dir, state.model_copy(update={"tune_state": digests}), tracking_uri)
+
+
+def record_or_warn(exp_dir: Path, state: SweepState, tracking_uri: str) -> None:
+    """:func:`record_tune_state`, with a warning instead of an error when MLflow or the directory
+    cannot be written: the sweep goes on, and a resume refuses the state it could not record."""
+    try:
+        record_tune_state(exp_dir, state, tracking_uri)
+    except (MlflowException, OSError) as exc:  # requests' errors are OSErrors
+        logger.warning("sweep %s: Tune's state could not be recorded (%s); a resume would refuse it", exp_dir.name,
+                       described(exc))
+
+
+def check_record(exp_dir: Path, state: SweepState, name: str, tracking_uri: str) -> None:
+    """:class:`UnvouchedTuneState` unless ``state`` (the sweep's :data:`STATE_FILE`) names the
+    MLflow parent run of sweep ``name`` and that run holds the digest of its record of Tune's
+    state (:data:`TUNE_STATE_TAG`): the file lies in the sweep directory, the run does not."""
+    record = exp_dir / STATE_FILE
+    try:
+        run = MlflowClient(tracking_uri).get_run(state.parent_run_id)
+    except MlflowException:
+        raise UnvouchedTuneState(f"{record}: its parent run {state.parent_run_id} is not in {masked(tracking_uri)}, "
+                                 "so nothing vouches for its record of Tune's state") from None
+    if run.data.tags.get(tracking.SWEEP_TAG) != name:
+        raise UnvouchedTuneState(f"{record}: its parent run {state.parent_run_id} is not sweep {name!r}'s")
+    held = run.data.tags.get(TUNE_STATE_TAG)
+    if held != state_digest(state.tune_state):
+        raise UnvouchedTuneState(f"{record}: its record of Tune's state " + (
+            f"differs from the one the sweep's MLflow run {state.parent_run_id} holds" if held else
+            f"has no copy in the sweep's MLflow run {state.parent_run_id} (a sweep of an earlier pairsim)"))
 
 
 def verify_tune_state(exp_dir: Path, recorded: dict[str, str]) -> None:
@@ -182,12 +231,12 @@ class TuneStateRecorder(tune.Callback):
     machine) leaves a record its resume can check. State Tune wrote after the last record (a few
     seconds' worth) does not match it: such a resume is refused, never run unchecked."""
 
-    def __init__(self, exp_dir: Path, state: SweepState):
-        self.exp_dir, self.state, self.recorded = exp_dir, state, 0.0
+    def __init__(self, exp_dir: Path, state: SweepState, tracking_uri: str):
+        self.exp_dir, self.state, self.tracking_uri, self.recorded = exp_dir, state, tracking_uri, 0.0
 
     def on_step_end(self, iteration, trials, **info) -> None:
         if time.monotonic() - self.recorded >= RECORD_EVERY_S:
-            record_tune_state(self.exp_dir, self.state)
+            record_or_warn(self.exp_dir, self.state, self.tracking_uri)
             self.recorded = time.monotonic()
 
 
@@ -266,13 +315,13 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
     """Run (or, if ``<storage>/<name>`` holds it, resume) the sweep; returns its trials. The sweep
     holds its name while it runs (:data:`SWEEP_LOCK`): a second ``tune`` of the same name is
     refused before Ray starts (:class:`pairsim.locks.NameInUse`)."""
-    name = name or datetime.now().strftime("sweep-%Y%m%d-%H%M%S")
+    name = datetime.now().strftime("sweep-%Y%m%d-%H%M%S") if name is None else name
     base = sweep.base
     if isinstance(base.ray.storage_path, str):  # a URI (pairsim.storage): Tune's state and results.csv are files here
         raise ConfigError(f"ray.storage_path: a sweep keeps its state and results on a local or mounted path, "
                           f"not {base.ray.storage_path}; single runs take object storage")
     storage = Path(base.ray.storage_path).resolve()
-    exp_dir = Path(untrusted.child(storage, name, "--name", ConfigError).path)  # the sweep stays in storage
+    exp_dir = Path(driver.run_directory(storage, name, "--name").path)  # the sweep stays in storage
     restoring = tune.Tuner.can_restore(exp_dir)
     if resume and not restoring:
         raise ConfigError(f"--resume: no sweep {name!r} to resume in {storage}")
@@ -285,6 +334,7 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
         driver.plan_run(sweep.trial_config(point))
     with locks.hold(exp_dir / SWEEP_LOCK, f"sweep {name!r}"):
         if recorded:  # under the lock: no driver of this sweep is writing Tune's state
+            check_record(exp_dir, recorded, name, tracking.resolve_tracking_uri(base.tracking.tracking_uri))
             verify_tune_state(exp_dir, recorded.tune_state)
         return _run(sweep, name, exp_dir, recorded)
 
@@ -305,7 +355,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
         results.log_inputs(tracking_uri, parent_run_id, sweep)
     state = SweepState(digest=sweep.digest(), parent_run_id=parent_run_id, source=sweep.source,
                        tune_state=recorded.tune_state if recorded else {})
-    write_state(exp_dir, state)
+    write_state(exp_dir, state, tracking_uri)
     logger.info("sweep %s: %d trials of up to %d epochs, %d at a time, ranked by %s (%s); %s",
                 name, total_trials(sweep), sweep.epochs, trials_at_once, sweep.metric, sweep.mode,
                 "resumed" if restoring else "new")
@@ -326,7 +376,7 @@ def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) ->
             results.write(rows, best, sweep, exp_dir, tracking_uri, parent_run_id, children)
             outcome.succeeded = best is not None
     finally:
-        record_tune_state(exp_dir, state)
+        record_or_warn(exp_dir, state, tracking_uri)
     return SweepResult(name, parent_run_id, tracking_uri, rows, best, exp_dir)
 
 
@@ -363,6 +413,6 @@ def _new_tuner(sweep: Sweep, exp_dir: Path, trainable, trials_at_once: int, trac
                                   failure_config=tune.FailureConfig(max_failures=sweep.base.ray.max_failures
                                                                     if settings.warm else 0),
                                   callbacks=[SweepProgress(sweep, name, tracking_uri, total_trials(sweep)),
-                                             TuneStateRecorder(exp_dir, state)],
+                                             TuneStateRecorder(exp_dir, state, tracking_uri)],
                                   checkpoint_config=tune.CheckpointConfig(
                                       num_to_keep=TUNE_CHECKPOINTS_KEPT if settings.pbt else None)))

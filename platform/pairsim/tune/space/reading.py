@@ -106,8 +106,7 @@ def _read_spaces(raw: Any) -> tuple[list[Space], list[str]]:
             example = "{grid: [0.1, 0.2]}" if listed else "{uniform: [0.0, 0.4]}"
             errors.append(f"{label}: needs at least one key, e.g. loss.base.margin: {example}")
         space: Space = {}
-        for written, spec in grid.items() if isinstance(grid, dict) else []:
-            key = upgrade_key(str(written), RunConfig)  # loss.margin of the last release: loss.base.margin
+        for key, spec in _upgraded_keys(grid, label, errors).items() if isinstance(grid, dict) else []:
             try:
                 space[key] = Distribution.model_validate(spec)
             except ValidationError as exc:
@@ -116,11 +115,31 @@ def _read_spaces(raw: Any) -> tuple[list[Space], list[str]]:
     return spaces, errors
 
 
+def _upgraded_keys(written: dict[Any, Any], label: str, errors: list[str]) -> dict[str, Any]:
+    """``written`` (a space, or PBT's mutations: run-config key → distribution) with keys of an
+    earlier release in today's form (``loss.margin`` → ``loss.base.margin``, a FutureWarning naming
+    the new key: :func:`~pairsim.config.components.upgrade_key`); a key written both ways is an
+    error under ``label``, the second left out (it would replace the first)."""
+    upgraded: dict[str, Any] = {}
+    written_as: dict[str, str] = {}
+    for key, spec in written.items():
+        new = upgrade_key(str(key), RunConfig)
+        if new in upgraded:
+            errors.append(f"{label}.{new}: written twice ({written_as[new]} and {key}); keep one")
+            continue
+        upgraded[new], written_as[new] = spec, str(key)
+    return upgraded
+
+
 def _read_sections(raw: dict[str, Any], errors: list[str]) -> tuple[list[Space], SweepFile]:
     """The spaces and the file's sections, each validated alone (all their errors at once; a bad
     field left out so the rest can still be checked)."""
     spaces, space_errors = _read_spaces(raw["space"])
     errors += space_errors
+    pbt = raw["sweep"].get("pbt") if isinstance(raw["sweep"], dict) else None
+    if isinstance(pbt, dict) and isinstance(pbt.get("mutations"), dict):  # its keys as the space's
+        mutations = _upgraded_keys(pbt["mutations"], "sweep.pbt.mutations", errors)
+        raw = raw | {"sweep": raw["sweep"] | {"pbt": pbt | {"mutations": mutations}}}
     sections = {"space": {}}
     for name, model in (("base", None), ("sweep", SweepSettings)):
         try:
