@@ -1,6 +1,6 @@
-"""The fuzz suite at a long budget: ``tests/test_fuzz.py``'s properties, each with ``--examples``
-generated inputs from a fresh random seed (the test command runs them with 40, derandomized),
-and what they found.
+"""The fuzz suite at a long budget: the properties of ``tests/test_fuzz*.py`` (the CLI and the
+readers; the served model), each with ``--examples`` generated inputs from a fresh random seed
+(the test command runs them with 40, derandomized), and what they found.
 
     python benchmarks/bench_fuzz.py --examples 1000
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import results
 
-TESTS = results.REPO / "tests" / "test_fuzz.py"
+TESTS = sorted((results.REPO / "tests").glob("test_fuzz*.py"))
 
 
 def main() -> int:
@@ -37,7 +37,7 @@ def main() -> int:
     report = (args.out / "fuzz_junit.xml").resolve()
     env = os.environ | {"PAIRSIM_FUZZ_EXAMPLES": str(args.examples), "PAIRSIM_FUZZ_SEED": str(seed)}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", str(TESTS), "-p", "no:cacheprovider", "-q",
+    done = subprocess.run([sys.executable, "-m", "pytest", *map(str, TESTS), "-p", "no:cacheprovider", "-q",
                            f"--hypothesis-seed={seed}", f"--junitxml={report}", "-o", "addopts="],
                           cwd=results.REPO, env=env)
     table = results.Table(f"Fuzzing, {args.examples} generated inputs a property (seed {seed})",
@@ -48,8 +48,8 @@ def main() -> int:
             failure = case.find("error")
         outcome = "held" if failure is None else "FAILED: " + (failure.get("message") or "").splitlines()[0][:160]
         table.add(case.get("name").removeprefix("test_").replace("_", " "), float(case.get("time")), outcome)
-    table.notes.append("Each property's invariants: tests/test_fuzz.py's docstring; what earlier runs found: "
-                       "docs/reliability.md.")
+    table.notes.append("Each property's invariants: its file's docstring (tests/test_fuzz*.py); what earlier runs "
+                       "found: docs/reliability.md.")
     results.publish("bench_fuzz", [table], args.results, time.perf_counter() - started)
     return 0 if done.returncode == 0 else 1
 

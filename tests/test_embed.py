@@ -31,10 +31,12 @@ def rows(modality: str, vectors: np.ndarray, image_ids: list[str]) -> pa.Table:
     n = len(image_ids)
     text = modality == "text"
     return pa.table({"id": [f"{modality}/{i}" + ("/0" if text else "") for i in image_ids], "modality": [modality] * n,
-                     "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()), 4),
+                     "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1), pa.float32()),
+                                                                    vectors.shape[1]),
                      "image_id": image_ids, "caption_index": [0 if text else None] * n,
                      "caption": [f"caption of {i}" if text else None for i in image_ids],
-                     "source": [None if text else f"{i}.png" for i in image_ids]}, schema=embeddings.row_schema(4))
+                     "source": [None if text else f"{i}.png" for i in image_ids]},
+                    schema=embeddings.row_schema(vectors.shape[1]))
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
-"""Property-based fuzzing of everything pairsim reads from a user or reads back from disk (issue
-51): hostile configs, ``--set`` values, sweep files, manifests, model cards, lock files, source
-lists and command lines. The invariants, for every input hypothesis generates:
+"""Property-based fuzzing of everything pairsim reads from a user or reads back from disk (issues
+51 and 78): hostile configs, ``--set`` values, sweep files, manifests, model cards, lock files,
+source lists, embeddings manifests, index cards and command lines (``embed``, ``index`` and
+``search`` among them, beside a user's files, a FIFO and a link). The invariants, for every input
+hypothesis generates:
 
 - a reader returns its typed result or raises its :class:`~pairsim.errors.InputError` — no
   other exception, in bounded time (hypothesis's deadline);
@@ -13,11 +15,14 @@ found. ``PAIRSIM_FUZZ_EXAMPLES`` sets the budget."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -276,3 +281,136 @@ def test_any_command_line_ends_in_one_line_and_changes_nothing_it_does_not_own(a
         if output is None or status != 0:
             return
         assert not output.resolve().is_relative_to((sandbox / "victim").resolve()), argv
+
+
+# ---------------------------------------------------------------- embed, index, search (issue 78)
+
+HUGE = st.sampled_from([-1, 0, 2**31, 10**15, 2**63 - 1, 2**64, 10**400 // 10**300, 1.5, 1e300, float("nan")])
+card_values = st.one_of(HUGE, json_trees, st.sampled_from(["../../x", "/etc/passwd", "x" * 5000, "\x1b[2J", "a\nb"]))
+
+
+def leaf_paths(tree, prefix=()) -> list[tuple]:
+    """Every key path of a JSON tree, inner ones included."""
+    children = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    return [prefix] * bool(prefix) + [path for key, value in children for path in leaf_paths(value, prefix + (key,))]
+
+
+def mutated(data, tree):
+    """``tree`` with up to 3 of its values (or whole sections) replaced by hostile ones, drawn from ``data``."""
+    tree = json.loads(json.dumps(tree))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(leaf_paths(tree)))
+        parent = tree
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = data.draw(card_values)
+    return tree
+
+
+@functools.cache
+def served_template() -> Path:
+    """A scratch template, made once: a random export (``model/model.pt``), a finished embeddings
+    directory of its dim (``emb``: 3 images, 3 captions) and a flat index of both (``ix``)."""
+    import numpy as np
+
+    from pairsim.config import ModelConfig
+    from pairsim.serving import embeddings
+    from pairsim.serving import index as ix
+    from pairsim.serving.encoder import Encoder
+    from test_embed import manifest, rows
+
+    root = Path(tempfile.mkdtemp(prefix="pairsim-fuzz-served-"))
+    atexit.register(shutil.rmtree, root, True)
+    cfg = ModelConfig()
+    model = retrieval.create_retrieval_model(cfg)
+    retrieval.write_exported(retrieval.model_card(cfg, model, 0, 1, 1, {}), model.state_dict(), root / "model" / "model.pt")
+    encoder = Encoder.load(root / "model" / "model.pt")
+    vectors = {"text": encoder.embed_texts(["a red square", "a blue circle", "two green stars"]),
+               "image": embeddings.normalized(np.random.default_rng(0).normal(size=(3, encoder.dim)).astype(np.float32))}
+    output = embeddings.open_output(embeddings.claim_output(root / "emb"), manifest(
+        model_digest=encoder.digest, model_source=str(root / "model" / "model.pt"), dim=encoder.dim,
+        input_shards=["part-00000.parquet"]))
+    for modality, v in vectors.items():
+        output.write_shard(modality, "part-00000.parquet", rows(modality, v, ["a", "b", "c"]))
+    output.save(complete=True)
+    table = embeddings.read_embeddings(root / "emb")[1]
+    ix.build_index(embeddings.vectors(table), table.select(list(ix.ROW_COLUMNS)), ix.parse_spec({}), encoder.digest,
+                   str(root / "model" / "model.pt"), str(root / "emb")).save(root / "ix")
+    return root
+
+
+def served_sandbox() -> tempfile.TemporaryDirectory:
+    """:func:`sandbox_with_victims` holding a copy of :func:`served_template` (``model``, ``emb``, ``ix``)."""
+    tmp = sandbox_with_victims()
+    for name in ("model", "emb", "ix"):
+        shutil.copytree(served_template() / name, Path(tmp.name) / name)
+    return tmp
+
+
+@fuzz
+@given(data=st.data(), duplicate=st.booleans())
+def test_any_embeddings_manifest_is_read_within_its_bounds_or_refused(data, duplicate):
+    from pairsim.serving import embeddings
+
+    with served_sandbox() as tmp:
+        root = Path(tmp) / "emb"
+        tree = mutated(data, json.loads((root / embeddings.MANIFEST).read_text()))
+        text = json.dumps(tree)
+        (root / embeddings.MANIFEST).write_text(text[:-1] + ', "dim": 4}' if duplicate else text)
+        try:
+            found, table = embeddings.read_embeddings(root)
+        except InputError:
+            return
+        assert table.num_rows == sum(s.rows for s in found.shards) and found.dim <= embeddings.MAX_DIM
+
+
+@fuzz
+@given(data=st.data())
+def test_any_index_card_is_read_within_its_bounds_or_refused(data):
+    from pairsim.serving import index as ix
+
+    with served_sandbox() as tmp:
+        root = Path(tmp) / "ix"
+        (root / ix.CARD_FILE).write_text(json.dumps(mutated(data, json.loads((root / ix.CARD_FILE).read_text()))))
+        try:
+            found = ix.load_index(root)
+        except InputError:
+            return
+        assert len(found) == found.rows.num_rows and all(part.d == found.card.dim for part in found.parts.values())
+
+
+served_paths = st.one_of(st.sampled_from(["emb", "ix", "model/model.pt", "out", "victim", "victim/notes.txt",
+                                          "victim/settings.json", "data", "/dev/null", "/dev/zero", "fifo", ".", "link",
+                                          "new/deeper/out", "s3://", "hdfs://namenode/x"]), nasty_text)
+served_command_lines = st.one_of(
+    st.tuples(st.just(["index", "--embeddings"]), served_paths, st.just("--out"), served_paths,
+              st.lists(st.sampled_from(["--kind", "hnsw", "ivfpq", "--modality", "both", "--param", "m=4", "m=*a",
+                                        "nlist=!!python/object/apply:os.system ['touch PWNED']", "x", "m=[&a 1, *a]"]),
+                       max_size=4)),
+    st.tuples(st.just(["search", "--index"]), served_paths,
+              st.lists(st.one_of(st.sampled_from(["--text", "--image", "--model", "-k", "--grid"]), served_paths,
+                                 nasty_text), max_size=6)),
+    st.tuples(st.just(["embed", "--data"]), served_paths, st.just("--out"), served_paths,
+              st.sampled_from([["--model", "victim/settings.json"], ["--model", "ix/index.json"], ["--model", "fifo"],
+                               ["--checkpoint", "victim"], ["--model", "emb/embeddings.json"]]),
+              st.lists(st.sampled_from(["--split", "val", "../x", "--modality", "image"]), max_size=3)),
+).map(lambda parts: [part for piece in parts for part in (piece if isinstance(piece, list) else [piece])])
+
+
+@settings(parent=fuzz, max_examples=max(EXAMPLES // 2, 10))
+@given(argv=served_command_lines)
+@example(argv=["index", "--embeddings", "emb", "--out", "victim"])  # a user's folder: refused, kept
+@example(argv=["search", "--index", "ix", "--text", "a red square", "--model", "model/model.pt", "-k", "2"])
+@example(argv=["search", "--index", "ix", "--image", "fifo"])  # a FIFO: refused unread
+def test_any_embed_index_or_search_command_line_ends_in_one_line_and_changes_nothing_it_does_not_own(argv):
+    with served_sandbox() as tmp:
+        sandbox = Path(tmp)
+        os.mkfifo(sandbox / "fifo")
+        (sandbox / "link").symlink_to(sandbox / "victim")
+        synth.generate(sandbox / "data", num_train=0, num_val=4, num_test=0, rows_per_shard=2, progress=False)
+        outputs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--out", "--grid")]
+        output = next((sandbox / out for out in outputs if "\x00" not in out), None)
+        output = output if output is not None and output.resolve().is_relative_to(sandbox.resolve()) else None
+        status, _ = run_cli(argv, sandbox, output)
+        if output is not None and status == 0:
+            assert not output.resolve().is_relative_to((sandbox / "victim").resolve()), argv

@@ -229,3 +229,16 @@ def test_the_picture_grid_shows_the_image_hits_asking_only_for_their_images(tmp_
     assert grid == tmp_path / "grid.png"
     with pytest.raises(OutputRefused):
         ix.picture_grid(hits, images, tmp_path / "grid.png")  # not replaced
+
+
+def test_the_picture_grid_shows_at_most_its_limit_and_draws_titles_as_text(tmp_path):
+    vectors = clustered(300, 16, seed=9)
+    hits = build(vectors, {}).search(vectors[:1], 100, modality="image")[0]
+    asked = []
+
+    def images(ids):
+        asked.extend(ids)
+        return {i: Image.new("RGB", (8, 8)) for i in ids}
+
+    ix.picture_grid(hits, images, tmp_path / "grid.png", title="text '$\\frac{$' \x1b[2J")  # TeX, an escape: as text
+    assert len(hits) == 100 and len(asked) == ix.MAX_GRID_PICTURES

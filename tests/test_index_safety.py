@@ -183,3 +183,14 @@ def test_a_tracking_store_that_is_a_users_file_or_database_is_refused_and_left_a
     tracking.check_reachable(f"sqlite:///{store}")
     (tmp_path / "empty.db").touch()
     tracking.check_reachable(f"sqlite:///{tmp_path / 'empty.db'}")
+
+
+@pytest.mark.parametrize("param", ["nlist=!!python/object/apply:os.system ['touch PWNED']", "m=[&a 8, *a]", "m=[",
+                                   "m=\x1b[2J", "nothing"])
+def test_an_index_param_goes_through_the_set_parser_and_is_refused_in_one_line(embedded, tmp_path, capsys, param,
+                                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    err = refusal(capsys, cli.main(["index", "--embeddings", str(embedded), "--out", str(tmp_path / "ix"),
+                                    "--kind", "hnsw", "--param", param]))
+    assert "--param" in err and "\x1b" not in err
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "ix").exists()

@@ -10,7 +10,7 @@ import sys
 
 from pairsim import log
 from pairsim.commands import datasets, runs, trained
-from pairsim.commands.arguments import add_overrides, int_at_least, location_arg, path_arg
+from pairsim.commands.arguments import add_overrides, int_at_least, location_arg, name_arg, path_arg
 from pairsim.commands.datasets import add_shards_parser
 from pairsim.commands.embed import add_embed_parser
 from pairsim.commands.search import add_search_parsers
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     extract.add_argument("--config", type=path_arg, action="append", required=True,
                          help="YAML run config with loss.cusa teachers; repeat to layer files")
     extract.add_argument("--out", type=path_arg, required=True, help="directory for the teacher features")
-    extract.add_argument("--splits", nargs="+", default=None, help="splits to embed (default: data.train_split)")
+    extract.add_argument("--splits", type=name_arg, nargs="+", default=None, help="splits to embed (default: data.train_split)")
     extract.add_argument("--batch-size", type=int_at_least(1), default=64)
     extract.add_argument("--concurrency", type=int_at_least(1), default=1, help="Ray Data actors running the teachers")
     add_overrides(extract)
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     trained.add_model_source_flags(evaluate)
     evaluate.add_argument("--data", type=location_arg, required=True,
                           help="dataset directory holding manifest.json (a path or a URI, s3://…)")
-    evaluate.add_argument("--split", default="test")
+    evaluate.add_argument("--split", type=name_arg, default="test")
     evaluate.add_argument("--batch-size", type=int_at_least(1), default=256)
     evaluate.add_argument("--concurrency", type=int_at_least(1), default=1, help="Ray Data actors embedding the split")
     add_overrides(evaluate, help="run-config override, e.g. --set eval.ks=[1,5]")
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="open_clip weights (+ heads side file) from a checkpoint or run")
     trained.add_model_source_flags(export)
     export.add_argument("--out", type=path_arg, required=True, help="weights file, e.g. model.pt")
-    export.add_argument("--register", metavar="NAME", help="also register it under NAME in MLflow's model registry "
+    export.add_argument("--register", type=name_arg, metavar="NAME", help="also register it under NAME in MLflow's model registry "
                                                              "as a pyfunc model serving embeddings (`mlflow models "
                                                              "serve`), with its mlflow.pytorch model logged beside it")
     export.set_defaults(func=trained.export)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from pairsim import storage
 from pairsim.config import check_tracking_uri
+from pairsim.errors import shown
+from pairsim.untrusted import is_plain_name
 
 
 def path_arg(value: str) -> Path:
@@ -16,6 +18,15 @@ def path_arg(value: str) -> Path:
     if not value.strip() or "\x00" in value:
         raise argparse.ArgumentTypeError(f"not a usable path: {value[:80]!r}")
     return Path(value)
+
+
+def name_arg(value: str) -> str:
+    """A name argument (a split, an MLflow run id or registered model): one plain name
+    (:data:`pairsim.untrusted.PLAIN_NAME`: letters, digits, ``_ . -``, at most 200), checked
+    before any work, as a name read from a file is."""
+    if not is_plain_name(value):
+        raise argparse.ArgumentTypeError(f"not a plain name (letters, digits, _ . -; at most 200): {shown(value, 80)!r}")
+    return value
 
 
 def location_arg(value: str) -> str | Path:

@@ -7,7 +7,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from pairsim.commands.arguments import add_overrides, int_at_least, location_arg
+from pairsim.commands.arguments import add_overrides, int_at_least, location_arg, name_arg
 from pairsim.commands.trained import add_model_source_flags, write_model
 from pairsim.config import ConfigError, load_config
 
@@ -19,7 +19,7 @@ def add_embed_parser(sub) -> None:
     add_model_source_flags(embed, export=True)
     embed.add_argument("--data", type=location_arg, required=True,
                        help="dataset directory holding manifest.json (a path or a URI, s3://…)")
-    embed.add_argument("--split", default="val")
+    embed.add_argument("--split", type=name_arg, default="val")
     embed.add_argument("--out", type=location_arg, required=True,
                        help="embeddings directory: new, empty, or an earlier embed of the same model and split "
                             "(continued where it stopped)")

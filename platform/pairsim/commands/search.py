@@ -7,10 +7,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from pairsim.commands.arguments import int_at_least, location_arg, path_arg, tracking_uri_arg
-from pairsim.config import ConfigError
+from pairsim.commands.arguments import int_at_least, location_arg, name_arg, path_arg, tracking_uri_arg
+from pairsim.config import ConfigError, apply_overrides
+from pairsim.errors import shown
 
 
 def add_search_parsers(sub) -> None:
@@ -27,7 +26,7 @@ def add_search_parsers(sub) -> None:
     index.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                        help="an index parameter, e.g. --param m=16 --param ef_search=128 (hnsw), "
                             "--param nlist=4096 --param nprobe=32 (ivfpq); repeatable")
-    index.add_argument("--run-id", help="also log the index under this MLflow run's artifacts (index/)")
+    index.add_argument("--run-id", type=name_arg, help="also log the index under this MLflow run's artifacts (index/)")
     index.add_argument("--tracking-uri", type=tracking_uri_arg,
                        help="MLflow store of --run-id (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     index.set_defaults(func=build)
@@ -40,7 +39,7 @@ def add_search_parsers(sub) -> None:
     search.add_argument("-k", type=int_at_least(1, 10_000), default=10, help="results a query (default 10)")
     search.add_argument("--model", type=path_arg,
                         help="the export that made the embeddings (default: the one the index names, if it is there)")
-    search.add_argument("--run-id", help="instead of --model: an MLflow training run's exported model")
+    search.add_argument("--run-id", type=name_arg, help="instead of --model: an MLflow training run's exported model")
     search.add_argument("--tracking-uri", type=tracking_uri_arg,
                         help="MLflow store of --run-id (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     search.add_argument("--grid", type=path_arg,
@@ -49,21 +48,10 @@ def add_search_parsers(sub) -> None:
     search.set_defaults(func=search_command)
 
 
-def index_params(pairs: list[str]) -> dict:
-    """``--param KEY=VALUE`` pairs as a dict, each value read as YAML (``16`` an int)."""
-    params = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--param: {pair[:80]!r} is not KEY=VALUE", keys=["--param"])
-        params[key.strip()] = yaml.safe_load(value)
-    return params
-
-
 def build(args: argparse.Namespace) -> None:
     from pairsim.serving import embeddings, index
 
-    spec = index.parse_spec({**index_params(args.param), "kind": args.kind}, "--param")
+    spec = index.parse_spec({**apply_overrides({}, args.param, flag="--param"), "kind": args.kind}, "--param")
     manifest, rows = embeddings.read_embeddings(args.embeddings, None if args.modality == "both" else args.modality)
     if not rows.num_rows:
         raise ConfigError(f"--embeddings: {args.embeddings} holds no {args.modality} embeddings", keys=["--embeddings"])
@@ -111,29 +99,36 @@ def query_encoder(args: argparse.Namespace, card, tmp: Path):
 
 
 def search_command(args: argparse.Namespace) -> None:
+    from pairsim import outputs
+    from pairsim.data.images import read_image
     from pairsim.serving import index
-    from pairsim.serving.encoder import decode_image
+    from pairsim.storage import Location
 
     if not args.text and not args.image:
         raise ConfigError("search: give at least one --text or --image", keys=["--text", "--image"])
+    count = len(args.text) + len(args.image)
+    grids = [args.grid if n == 1 else args.grid.with_name(f"{args.grid.stem}-{n}{args.grid.suffix}")
+             for n in range(1, count + 1)] if args.grid else [None] * count
+    for grid in filter(None, grids):  # before any work
+        outputs.check_file_target(grid, "--grid")
     found = index.load_index(args.index)
     with tempfile.TemporaryDirectory() as tmp:
         encoder = query_encoder(args, found.card, Path(tmp))
-    queries = [(f"text {t!r}", vector) for t, vector in zip(args.text, encoder.embed_texts(args.text))]
-    images = [decode_image(Path(p).read_bytes(), f"--image {p}") for p in args.image]
-    queries += [(f"image {p}", vector) for p, vector in zip(args.image, encoder.embed_images(images))]
+    queries = [(f"text '{shown(t, 100)}'", vector) for t, vector in zip(args.text, encoder.embed_texts(args.text))]
+    images = [(f"--image {p}", read_image(Location.of(p), "--image")) for p in args.image]
+    queries += [(f"image {shown(p, 100)}", vector) for p, vector in zip(args.image, encoder.embed_encoded(images))]
     import numpy as np
 
     results = found.search(np.stack([vector for _, vector in queries]), args.k)
     data = DatasetRows.of_index(found)
-    for number, ((query, _), hits) in enumerate(zip(queries, results), start=1):
+    for (query, _), hits, grid in zip(queries, results, grids):
         print(f"{query}: top {len(hits)} of {len(found):,}")
         captions = data.first_captions([hit.row["image_id"] for hit in hits if hit.row["modality"] == "image"])
         for rank, hit in enumerate(hits, start=1):
             caption = hit.row["caption"] or captions.get(hit.row["image_id"], "")
-            print(f"{rank:3d}  {hit.score:.4f}  {hit.id}  {hit.row['source'] or '-'}  {caption}")
-        if args.grid:
-            grid = args.grid if number == 1 else args.grid.with_name(f"{args.grid.stem}-{number}{args.grid.suffix}")
+            print(f"{rank:3d}  {hit.score:.4f}  {shown(hit.id, 80)}  {shown(hit.row['source'] or '-', 80)}  "
+                  f"{shown(caption, 120)}")
+        if grid:
             index.picture_grid(hits, data.images, grid, title=query)
             print(f"picture grid: {grid}")
 
@@ -141,6 +136,8 @@ def search_command(args: argparse.Namespace) -> None:
 class DatasetRows:
     """The rows of the dataset split the index's embeddings came from (read from its shards by
     image id), for the captions and pictures of image results; none when it cannot be read."""
+
+    PICTURE_SIDE = 240  # pixels: a picture grid's tile (index.picture_grid: 2.4 inches at 100 dpi)
 
     def __init__(self, data_path: str | None, split: str | None):
         self.data_path, self.split = data_path, split
@@ -166,10 +163,12 @@ class DatasetRows:
         return {i: (row["captions"] or [""])[0] for i, row in self._rows(image_ids, ("image_id", "captions")).items()}
 
     def images(self, image_ids: list[str]) -> dict:
-        from pairsim.serving.encoder import decode_image
+        """The pictures of ``image_ids`` (a grid's, and only those), each brought down to about a
+        grid tile as it is decoded (:func:`~pairsim.data.images.decode_image` to :attr:`PICTURE_SIDE`)."""
+        from pairsim.data.images import decode_image
 
         rows = self._rows(image_ids, ("image_id", "image"))
         if missing := sorted(set(image_ids) - rows.keys()):
             raise ConfigError(f"--grid: images {', '.join(missing[:5])} are not in the dataset the embeddings name "
                               f"({self.data_path or 'unreadable'}, split {self.split})", keys=["--grid"])
-        return {i: decode_image(row["image"], f"image {i}") for i, row in rows.items()}
+        return {i: decode_image(rows[i]["image"], f"image {i}", self.PICTURE_SIDE) for i in image_ids}

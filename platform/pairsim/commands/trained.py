@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from pairsim import storage
-from pairsim.commands.arguments import location_arg, path_arg, tracking_uri_arg
+from pairsim.commands.arguments import location_arg, name_arg, path_arg, tracking_uri_arg
 from pairsim.commands.runs import print_run
 from pairsim.config import ConfigError, load_config
 
@@ -20,7 +20,7 @@ def add_model_source_flags(parser: argparse.ArgumentParser, export: bool = False
         source.add_argument("--model", type=path_arg, help="an export's weights (model.pt beside its model.json)")
     source.add_argument("--checkpoint", type=location_arg,
                         help="a pairsim (Ray Train + DeepSpeed) checkpoint directory (a path or a URI, s3://…)")
-    source.add_argument("--run-id", help="an MLflow training run: its exported best model")
+    source.add_argument("--run-id", type=name_arg, help="an MLflow training run: its exported best model")
     parser.add_argument("--tracking-uri", type=tracking_uri_arg,
                         help="MLflow store (default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 

@@ -99,17 +99,19 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return shown(" ".join(str(exc).split()))
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[BaseModel] | None = None
-                    ) -> dict[str, Any]:
-    r"""Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists.
-    With ``model`` (:class:`RunConfig`) each is :func:`~pairsim.config.components.upgrade`\ d and
-    merged, so ``loss.base=infonce`` and ``loss.base.temperature.init=0.07`` name a part and set
-    its key in either order."""
+def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[BaseModel] | None = None,
+                    flag: str = "--set") -> dict[str, Any]:
+    r"""Set ``a.b.c=value`` entries on a nested dict; values are parsed as YAML scalars/lists
+    (:func:`yaml_value`). With ``model`` (:class:`RunConfig`) each is
+    :func:`~pairsim.config.components.upgrade`\ d and merged, so ``loss.base=infonce`` and
+    ``loss.base.temperature.init=0.07`` name a part and set its key in either order. Every flag
+    that takes ``KEY=VALUE`` pairs (``--set``, ``pairsim index --param``) is read here; errors
+    name ``flag``."""
     errors, keys = [], []
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            errors.append(f"--set {item!r}: expected KEY=VALUE, e.g. loss.base.margin=0.3")
+            errors.append(f"{flag} '{shown(item)}': expected KEY=VALUE, e.g. loss.base.margin=0.3")
             continue
         try:
             value = yaml_value(raw)
@@ -120,10 +122,10 @@ def apply_overrides(tree: dict[str, Any], overrides: list[str], model: type[Base
                 set_dotted(one, key.strip(), value)
                 tree = merge(upgrade(tree, model), upgrade(one, model))
         except yaml.YAMLError as exc:
-            errors.append(f"--set {item[:200]!r}: not valid YAML: {yaml_problem(exc)}")
+            errors.append(f"{flag} '{shown(item)}': not valid YAML: {yaml_problem(exc)}")
             keys.append(key.strip()[:200])
         except ValueError as exc:
-            errors.append(f"--set {item[:200]!r}: {exc}")
+            errors.append(f"{flag} '{shown(item)}': {exc}")
             keys.append(key.strip()[:200])
     if errors:
         raise ConfigError("invalid overrides:\n  " + "\n  ".join(errors), keys)

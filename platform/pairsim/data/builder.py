@@ -19,7 +19,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict
 from tqdm import tqdm
@@ -28,6 +27,7 @@ from pairsim import locks, outputs, untrusted
 from pairsim.config import ConfigError
 from pairsim.data import sources
 from pairsim.data.build_config import BuildConfig
+from pairsim.data.images import to_rgb
 from pairsim.data.shards import (MANIFEST, MAX_MANIFEST_BYTES, REJECTS, SCHEMA_VERSION, Count, Manifest, read_manifest,
                                  read_rejects, reject_summary, shard_name, write_manifest, write_shard)
 from pairsim.log import get_logger
@@ -49,7 +49,7 @@ UNREADABLE = ((FileNotFoundError, "missing file"), (NotARegularFile, "not a regu
               (sources.ImageTooLarge, "file too large"), (OSError, "unreadable file"))  # the first that matches
 
 
-def read_image(image: sources.ImageRef) -> bytes:
+def read_source_image(image: sources.ImageRef) -> bytes:
     """The image's bytes (:meth:`~pairsim.data.sources.ImageRef.read`: a regular file, bounded);
     :class:`RejectedImage` with the reason of :data:`UNREADABLE` when they cannot be read."""
     try:
@@ -57,20 +57,6 @@ def read_image(image: sources.ImageRef) -> bytes:
     except OSError as exc:
         reason = next(reason for kind, reason in UNREADABLE if isinstance(exc, kind))
         raise RejectedImage(reason, f"{image.path}: {exc.strerror or exc}") from None
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL mode → 8-bit RGB: alpha composited on white, 16/32-bit and float scaled to 0–255,
-    palette, grayscale and CMYK converted."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        values = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) > 255 else 255.0
-        image = Image.fromarray(np.clip(values * (255.0 / top), 0, 255).round().astype(np.uint8))
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def clean_image(raw: bytes, max_side: int, jpeg_quality: int) -> tuple[bytes, int, int]:
@@ -198,7 +184,7 @@ class BuildShard:
         for r in body["records"]:
             record = sources.Record(**{**r, "image": sources.ImageRef(**r["image"])})
             try:
-                image, width, height = clean_image(read_image(record.image), self.max_side, self.jpeg_quality)
+                image, width, height = clean_image(read_source_image(record.image), self.max_side, self.jpeg_quality)
             except RejectedImage as exc:
                 rejects.append(sources.Reject("image", record.source, exc.reason, exc.detail, record.image_id).to_json())
                 continue

@@ -36,6 +36,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from pairsim import outputs, untrusted
 from pairsim.config import DataConfig
+from pairsim.data.images import decode_image
 from pairsim.errors import shown
 from pairsim.storage import Location, LocationLike
 
@@ -418,7 +419,9 @@ def read_rows(root: LocationLike, split: str, image_ids: list[str],
 
 def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile: int = 192,
                   caption_lines: int = 4) -> Path:
-    """A PNG grid of the rows' images, each above its id and first captions."""
+    """A PNG grid of the rows' images, each above its id and first captions (shown cut and
+    escaped); each image decoded by the one decoder (:func:`pairsim.data.images.decode_image`,
+    brought down to the tile as it is decoded), one that does not decode refused naming it."""
     from matplotlib import font_manager  # matplotlib comes with mlflow; its DejaVu Sans covers accents
 
     font = ImageFont.truetype(font_manager.findfont("DejaVu Sans"), 11)
@@ -430,11 +433,11 @@ def contact_sheet(rows: list[dict[str, Any]], path: Path, columns: int = 4, tile
     for i, row in enumerate(rows):
         x = 8 + (i % columns) * (tile + 8)
         y = 8 + (i // columns) * (tile + text_h + 12)
-        with Image.open(io.BytesIO(row["image"])) as image:
-            thumb = ImageOps.contain(image.convert("RGB"), (tile, tile))
+        thumb = ImageOps.contain(decode_image(row["image"], f"--sheet: image {shown(row['image_id'], 80)}", tile),
+                                 (tile, tile))
         sheet.paste(thumb, (x + (tile - thumb.width) // 2, y + (tile - thumb.height) // 2))
-        lines = [f"{row['image_id']}  {row['width']}×{row['height']}"]
-        for caption in row["captions"]:
+        lines = [f"{shown(row['image_id'], chars)}  {row['width']}×{row['height']}"]
+        for caption in map(shown, row["captions"] or []):
             lines += [caption[k:k + chars] for k in range(0, len(caption), chars)]
         for k, line in enumerate(lines[:caption_lines + 1]):
             draw.text((x, y + tile + 4 + k * line_h), line, fill="black" if k else "gray", font=font)

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pairsim import locks, outputs, untrusted
 from pairsim.serving.embeddings import MAX_ROWS, Dim, FileBytes, PlainName, Sha256, Source
 from pairsim.config import ConfigError, Int, Section, format_errors
-from pairsim.errors import InputError
+from pairsim.errors import InputError, shown
 from pairsim.log import get_logger
 from pairsim.storage import Location, LocationLike
 
@@ -54,6 +54,7 @@ ROWS_SCHEMA = pa.schema([(name, pa.string()) for name in ROW_COLUMNS])
 FAISS_CLASSES = {"flat": ("IndexFlatIP",), "hnsw": ("IndexHNSWFlat",), "ivfpq": ("IndexIVFPQ", "IndexRefineFlat")}
 MIN_POINTS_PER_CENTROID = 39  # faiss's k-means warns below this many training vectors a centroid
 NORM_TOLERANCE = 1e-3
+MAX_GRID_PICTURES = 50  # image hits a picture grid shows, best first (search -k may ask for 10,000)
 
 
 class FlatSpec(Section):
@@ -288,28 +289,28 @@ def _check_part(faiss, part, card: IndexCard, count: int, location: Location) ->
 def picture_grid(hits: Sequence[Hit], images: Callable[[list[str]], Mapping[str, Any]], path: Path,
                  title: str = "") -> Path:
     """A PNG at the local ``path`` (a new file: :func:`pairsim.outputs.check_file_target`) of
-    the hits' images in rank order, each with its rank, id and score. ``images(image_ids)``
-    returns the PIL images of those ids (the dataset's shards are the caller's to read); hits
-    without an ``image_id`` are left out."""
+    the hits' images in rank order (the first :data:`MAX_GRID_PICTURES`), each with its rank, id
+    and score. ``images(image_ids)`` returns the PIL images of those ids (the dataset's shards
+    are the caller's to read); hits without an ``image_id`` are left out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = outputs.check_file_target(path, "picture grid")
-    shown = [hit for hit in hits if hit.row.get("image_id")]
-    if not shown:
+    pictured = [hit for hit in hits if hit.row.get("image_id")][:MAX_GRID_PICTURES]
+    if not pictured:
         raise InputError("picture grid: none of the hits has an image_id to show")
-    pictures = images(sorted({hit.row["image_id"] for hit in shown}))
-    columns = min(len(shown), 5)
-    lines = -(-len(shown) // columns)
+    pictures = images(sorted({hit.row["image_id"] for hit in pictured}))
+    columns = min(len(pictured), 5)
+    lines = -(-len(pictured) // columns)
     fig, axes = plt.subplots(lines, columns, figsize=(2.4 * columns, 2.6 * lines), squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
-    for rank, (ax, hit) in enumerate(zip(axes.ravel(), shown), start=1):
+    for rank, (ax, hit) in enumerate(zip(axes.ravel(), pictured), start=1):
         ax.imshow(pictures[hit.row["image_id"]].convert("RGB"))
-        ax.set_title(f"{rank}. {hit.id[:24]}\n{hit.score:.3f}", fontsize=8)
-    fig.suptitle(title[:100])
+        ax.set_title(f"{rank}. {shown(hit.id, 24)}\n{hit.score:.3f}", fontsize=8, parse_math=False)
+    fig.suptitle(shown(title, 100), parse_math=False)  # a caption's $ is text, not TeX
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=100)
