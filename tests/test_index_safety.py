@@ -61,6 +61,13 @@ def rewrite(path: Path, change) -> None:
     path.write_text(json.dumps(tree))
 
 
+def set_at(tree, where: tuple, value) -> None:
+    """``value`` at the key path ``where`` of a JSON tree."""
+    for key in where[:-1]:
+        tree = tree[key]
+    tree[where[-1]] = value
+
+
 def replace_recorded(directory: Path, name: str, data: bytes) -> None:
     """``name`` in an index directory replaced by ``data``, its card's size and SHA-256 updated to
     match (whoever can write the directory can do both)."""
@@ -92,12 +99,7 @@ def test_an_index_directory_pairsim_wrote_is_replaced(embedded, indexed, capsys)
     (("dim",), 2**63 - 1), (("modalities", "image"), 10**15), (("model_source",), "x" * 10_000)])
 def test_an_index_card_recording_numbers_beyond_their_bounds_is_refused_naming_the_field(indexed, tmp_path, capsys,
                                                                                          where, value):
-    def change(tree):
-        for key in where[:-1]:
-            tree = tree[key]
-        tree[where[-1]] = value
-
-    rewrite(indexed / ix.CARD_FILE, change)
+    rewrite(indexed / ix.CARD_FILE, lambda tree: set_at(tree, where, value))
     err = refusal(capsys, cli.main(["search", "--index", str(indexed), "--text", "a cat",
                                              "--model", str(tmp_path / "none.pt")]))
     assert ".".join(where) in err or where[-1] in err
@@ -107,12 +109,7 @@ def test_an_index_card_recording_numbers_beyond_their_bounds_is_refused_naming_t
                                           (("shards", 0, "rows"), 10**15), (("split",), "../../other")])
 def test_an_embeddings_manifest_recording_numbers_beyond_their_bounds_is_refused(embedded, tmp_path, capsys,
                                                                                 where, value):
-    def change(tree):
-        for key in where[:-1]:
-            tree = tree[key]
-        tree[where[-1]] = value
-
-    rewrite(embedded / embeddings.MANIFEST, change)
+    rewrite(embedded / embeddings.MANIFEST, lambda tree: set_at(tree, where, value))
     err = refusal(capsys, cli.main(["index", "--embeddings", str(embedded), "--out", str(tmp_path / "ix")]))
     assert str(where[-1]) in err
     assert not (tmp_path / "ix").exists()

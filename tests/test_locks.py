@@ -15,7 +15,7 @@ import pytest
 
 from conftest import new_experiment
 from pairsim import cli, locks
-from pairsim.config import load_config
+from pairsim.config import ConfigError, load_config
 from pairsim.data import builder
 from pairsim.data.build_config import BuildConfig
 from pairsim.errors import InputError
@@ -329,3 +329,27 @@ def test_two_trains_under_one_name_the_second_is_refused_in_seconds_and_the_firs
     out, _ = first.communicate(timeout=600)
     assert first.returncode == 0, out[-3000:]
     assert not lock.exists()
+
+
+def test_a_run_or_sweep_into_a_users_sqlite_database_is_refused_before_ray_and_leaves_it_as_it_was(
+        tiny_dataset, tmp_path, capsys):
+    """MLflow would create its tables in any SQLite file ``tracking.tracking_uri`` names."""
+    import sqlite3
+
+    from pairsim.tune import sweep as sweeps
+    from pairsim.tune.space import load_sweep
+
+    app = tmp_path / "app.db"
+    with sqlite3.connect(app) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    before = app.read_bytes()
+    run = run_yaml(tiny_dataset, tmp_path)
+    uri = f"tracking.tracking_uri=sqlite:///{app}"
+    assert cli.main(["train", "--config", str(run), "--set", uri]) == 2
+    assert "users" in capsys.readouterr().err
+    space = tmp_path / "space.yaml"
+    space.write_text(f"base: {{config: [{run}]}}\nspace: {{loss.base.margin: {{uniform: [0.1, 0.3]}}}}\n"
+                     "sweep: {num_samples: 1}\n")
+    with pytest.raises(ConfigError, match="users"):
+        sweeps.run_sweep(load_sweep(space, [uri]), "into-a-users-db")
+    assert app.read_bytes() == before and not (tmp_path / "runs").exists()  # nothing written, no lock taken

@@ -286,3 +286,22 @@ def test_text_from_a_users_file_is_shown_cut_and_escaped():
     assert shown("a\nb\x1b[2J\rc\x00") == "a\\nb\\x1b[2J\\rc\\x00"  # no line, no terminal escape
     assert shown("ü" * 10, 4) == "üüüü… (6 more)"
     assert shown("plain words") == "plain words"
+
+
+@pytest.mark.parametrize("argv", [["data", "synth", "--out", "d", "--image-size", "100000"],
+                                  ["evaluate", "--checkpoint", "c", "--data", "d", "--split", "../x"],
+                                  ["embed", "--model", "m.pt", "--data", "d", "--out", "e", "--split", "a\nb"],
+                                  ["export", "--run-id", "../../etc", "--out", "m.pt"],
+                                  ["export", "--checkpoint", "c", "--out", "m.pt", "--register", "a/b"]])
+def test_a_bound_or_a_name_is_checked_by_the_flag_before_any_work(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error
+        cli.main(argv)
+    assert refused.value.code == 2 and argv[-2] in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_synth_draws_no_image_larger_than_its_bound(tmp_path):
+    with pytest.raises(synth.SynthError, match="1024"):
+        synth.generate(tmp_path / "d", num_train=1, num_val=0, num_test=0, image_size=synth.MAX_IMAGE_SIZE + 1)
+    assert not (tmp_path / "d").exists()

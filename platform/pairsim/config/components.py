@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from pairsim.config.fields import Bool, ConfigError, Float, Int, Section
-from pairsim.errors import shown
+from pairsim.errors import described, shown
 
 
 class BoundedConfig(Section):
@@ -270,9 +270,8 @@ def _load_plugin(family: Family, name: str) -> Any:
     try:
         loaded = entry.load()
     except Exception as exc:  # noqa: BLE001 (third-party code: an ImportError, or anything its import raises)
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PluginError(family, f"{where} cannot be loaded ({type(exc).__name__}: {shown(cause)}); fix or "
-                                  "reinstall the plugin, or choose another part") from None
+        raise PluginError(family, f"{where} cannot be loaded ({described(exc)}); fix or reinstall the plugin, or "
+                                  "choose another part") from None
     if not isinstance(loaded, type):
         raise PluginError(family, f"{where} names {type(loaded).__name__} "
                                   f"'{shown(getattr(loaded, '__qualname__', loaded), 80)}', not a class")

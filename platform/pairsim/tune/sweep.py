@@ -332,9 +332,11 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
     driver.plan_run(base)
     for point in sweep.points_to_check()[:2]:
         driver.plan_run(sweep.trial_config(point))
+    tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
+    tracking.check_reachable(tracking_uri)  # in seconds, before Ray starts, as a run checks it
     with locks.hold(exp_dir / SWEEP_LOCK, f"sweep {name!r}"):
         if recorded:  # under the lock: no driver of this sweep is writing Tune's state
-            check_record(exp_dir, recorded, name, tracking.resolve_tracking_uri(base.tracking.tracking_uri))
+            check_record(exp_dir, recorded, name, tracking_uri)
             verify_tune_state(exp_dir, recorded.tune_state)
         return _run(sweep, name, exp_dir, recorded)
 
