@@ -105,6 +105,14 @@ def test_an_index_card_recording_numbers_beyond_their_bounds_is_refused_naming_t
     assert ".".join(where) in err or where[-1] in err
 
 
+def test_a_card_counting_more_rows_than_its_file_holds_is_refused_before_anything_is_sized_by_it(indexed):
+    """Found by bench_fuzz.py: 2^31 image rows (within the bound) made a 40 GiB array of the
+    card's modality per row before the rows file was compared."""
+    rewrite(indexed / ix.CARD_FILE, lambda tree: set_at(tree, ("modalities", "image"), 2**31))
+    with pytest.raises(ix.IndexFileError, match=f"{ix.ROWS_FILE}: not the {2**31 + 3} rows"):
+        ix.load_index(indexed)
+
+
 @pytest.mark.parametrize("where, value", [(("dim",), 10**15), (("shards", 0, "bytes"), 2**63 - 1),
                                           (("shards", 0, "rows"), 10**15), (("split",), "../../other")])
 def test_an_embeddings_manifest_recording_numbers_beyond_their_bounds_is_refused(embedded, tmp_path, capsys,

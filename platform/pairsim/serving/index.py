@@ -260,9 +260,9 @@ def load_index(directory: LocationLike) -> Index:
     *parts, rows = (_verified_bytes(directory / name, card.files[name]) for name in card.file_names())
     with untrusted.parsing(directory / ROWS_FILE, "a Parquet file", IndexFileError):
         rows = pq.read_table(pa.BufferReader(rows))
-    expected = np.repeat(list(card.modalities), list(card.modalities.values()))
-    if not rows.schema.equals(ROWS_SCHEMA) or rows.num_rows != card.count or \
-            not np.array_equal(rows.column("modality").to_numpy(zero_copy_only=False), expected):
+    if not rows.schema.equals(ROWS_SCHEMA) or rows.num_rows != card.count or not np.array_equal(
+            rows.column("modality").to_numpy(zero_copy_only=False),  # the card's counts, as the file's rows bound them
+            np.repeat(list(card.modalities), list(card.modalities.values()))):
         raise IndexFileError(f"{directory / ROWS_FILE}: not the {card.count} rows of {', '.join(ROW_COLUMNS)} "
                              f"grouped by modality that {CARD_FILE} describes")
     index = Index({}, rows, card)
