@@ -270,6 +270,7 @@ command_lines = st.one_of(
 @example(argv=["export", "--checkpoint", "out", "--out", ""])
 @example(argv=["data", "synth", "--out", "a\x00b"])
 @example(argv=["checkpoints", "list", "\x00"])  # found by bench_fuzz.py: a ValueError (embedded null byte)
+@example(argv=["data", "synth", "--out", "out", "--num-train", "99999999999999999999"])  # found by bench_fuzz.py: endless
 def test_any_command_line_ends_in_one_line_and_changes_nothing_it_does_not_own(argv):
     with sandbox_with_victims() as tmp:
         sandbox = Path(tmp)

@@ -289,6 +289,7 @@ def test_text_from_a_users_file_is_shown_cut_and_escaped():
 
 
 @pytest.mark.parametrize("argv", [["data", "synth", "--out", "d", "--image-size", "100000"],
+                                  ["data", "synth", "--out", "d", "--num-train", "99999999999999999999"],
                                   ["evaluate", "--checkpoint", "c", "--data", "d", "--split", "../x"],
                                   ["embed", "--model", "m.pt", "--data", "d", "--out", "e", "--split", "a\nb"],
                                   ["export", "--run-id", "../../etc", "--out", "m.pt"],
@@ -301,7 +302,9 @@ def test_a_bound_or_a_name_is_checked_by_the_flag_before_any_work(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
-def test_synth_draws_no_image_larger_than_its_bound(tmp_path):
+def test_synth_draws_no_image_larger_nor_more_images_than_its_bounds(tmp_path):
     with pytest.raises(synth.SynthError, match="1024"):
         synth.generate(tmp_path / "d", num_train=1, num_val=0, num_test=0, image_size=synth.MAX_IMAGE_SIZE + 1)
+    with pytest.raises(synth.SynthError, match="num_train=10,000,001"):
+        synth.generate(tmp_path / "d", num_train=synth.MAX_SPLIT_IMAGES + 1, num_val=0, num_test=0)
     assert not (tmp_path / "d").exists()

@@ -19,7 +19,7 @@ from pairsim.commands.runs import (DEMO_CONFIG, DEMO_SWEEP, OBJECTIVES, SweepFai
 from pairsim.commands.runs import demo as _demo  # looked up here when the parser is built: a test stands in for it
 from pairsim.config import ConfigError, load_config
 from pairsim.data.builder import BuildError
-from pairsim.data.synth import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE
+from pairsim.data.synth import MAX_IMAGE_SIZE, MAX_SPLIT_IMAGES, MIN_IMAGE_SIZE
 from pairsim.errors import InputError
 from pairsim.locks import NameInUse
 from pairsim.signals import JobStopped, stop_on_signals
@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="datasets").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate the compositional shapes dataset")
     synth.add_argument("--out", type=path_arg, required=True)
-    synth.add_argument("--num-train", type=int_at_least(0), default=10_000, help="0: no train split")
-    synth.add_argument("--num-val", type=int_at_least(0), default=500, help="0: no val split")
-    synth.add_argument("--num-test", type=int_at_least(0), default=500, help="0: no test split")
+    synth.add_argument("--num-train", type=int_at_least(0, MAX_SPLIT_IMAGES), default=10_000, help="0: no train split")
+    synth.add_argument("--num-val", type=int_at_least(0, MAX_SPLIT_IMAGES), default=500, help="0: no val split")
+    synth.add_argument("--num-test", type=int_at_least(0, MAX_SPLIT_IMAGES), default=500, help="0: no test split")
     synth.add_argument("--image-size", type=int_at_least(MIN_IMAGE_SIZE, MAX_IMAGE_SIZE), default=64)
     synth.add_argument("--rows-per-shard", type=int_at_least(1), default=2_000)
     synth.add_argument("--seed", type=int, default=0)

@@ -106,6 +106,7 @@ class SceneObject:
 
 MIN_IMAGE_SIZE = 24  # pixels a side: the smallest that draws a 3×3 scene
 MAX_IMAGE_SIZE = 1024  # pixels a side: the shard builder's default max_side; each image is drawn in memory
+MAX_SPLIT_IMAGES = 10**7  # images a split, each drawn in turn by this process: a typo's 10^20 would never end
 
 
 class SynthError(InputError):
@@ -244,9 +245,9 @@ class SynthArguments(BaseModel):
     """:data:`MARKER`: the arguments a dataset was generated with."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    num_train: int = Field(ge=0)
-    num_val: int = Field(ge=0)
-    num_test: int = Field(ge=0)
+    num_train: int = Field(ge=0, le=MAX_SPLIT_IMAGES)
+    num_val: int = Field(ge=0, le=MAX_SPLIT_IMAGES)
+    num_test: int = Field(ge=0, le=MAX_SPLIT_IMAGES)
     image_size: int = Field(ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE)
     seed: int
     rows_per_shard: int = Field(ge=1)
@@ -329,8 +330,9 @@ def generate(out: LocationLike, num_train: int = 10_000, num_val: int = 500, num
     if unknown := set(hard_negatives) - {"val", "test"}:
         raise SynthError(f"hard_negatives: only the val and test splits can be hard, not {', '.join(sorted(unknown))}")
     sizes = {"train": num_train, "val": num_val, "test": num_test}
-    if negative := [f"num_{split}={n}" for split, n in sizes.items() if n < 0]:
-        raise SynthError(f"split sizes must be >= 0 (0: no such split), got {', '.join(negative)}")
+    if wrong := [f"num_{split}={n:,}" for split, n in sizes.items() if not 0 <= n <= MAX_SPLIT_IMAGES]:
+        raise SynthError(f"split sizes must be between 0 (no such split) and {MAX_SPLIT_IMAGES:,}, got "
+                         f"{', '.join(wrong)}")
     if not any(sizes.values()):
         raise SynthError("num_train, num_val and num_test are all 0: no split to write")
     if rows_per_shard < 1:
