@@ -20,11 +20,12 @@ from pairsim.tracking.run_logger import (TRANSIENT_ERROR_CODES, RunLogger, is_tr
 from pairsim.tracking.runs import (DEFAULT_TRACKING_URI, ERROR_TAG, EXPERIMENT_KIND, LOCAL_UI, PARENT_TAG,
                                    REACHABLE_TIMEOUT_S, RUN_NAME_TAG, STOPPED_TAG, SWEEP_TAG, Outcome, check_reachable,
                                    child_runs, context_tags, create_run, ending_run, error_text, find_run, open_run,
-                                   open_sweep_run, previous_attempt, resolve_tracking_uri, set_run_status, ui_url)
+                                   open_sweep_run, previous_attempt, resolve_tracking_uri, run_tags, set_run_status,
+                                   tag_run, ui_url)
 
 __all__ = ["DEFAULT_TRACKING_URI", "ERROR_TAG", "EXPERIMENT_KIND", "LOCAL_UI", "MODEL_ARTIFACTS", "PARENT_TAG",
            "REACHABLE_TIMEOUT_S", "RUN_NAME_TAG", "STOPPED_TAG", "SWEEP_TAG", "TRANSIENT_ERROR_CODES", "Outcome",
            "RunLogger", "ShardSplit", "check_reachable", "child_runs", "context_tags", "create_run", "dataset_source",
            "download_run_model", "ending_run", "error_text", "find_run", "is_transient", "last_logged_steps",
            "log_datasets", "metric_key", "open_run", "open_sweep_run", "previous_attempt", "register_model", "resolve_tracking_uri",
-           "set_run_status", "system_metrics_monitor", "ui_url"]
+           "run_tags", "set_run_status", "tag_run", "system_metrics_monitor", "ui_url"]

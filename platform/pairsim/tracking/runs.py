@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pairsim import storage
@@ -261,12 +262,24 @@ def child_runs(tracking_uri: str, parent_run_id: str) -> list:
                               order_by=["attributes.start_time ASC"], max_results=10_000)
 
 
+def run_tags(tracking_uri: str, run_id: str) -> dict[str, str] | None:
+    """The tags of run ``run_id``; None when the store holds no such run."""
+    try:
+        return MlflowClient(tracking_uri).get_run(run_id).data.tags
+    except MlflowException:
+        return None
+
+
+def tag_run(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
+    """Set ``tags`` on run ``run_id``, in one request."""
+    MlflowClient(tracking_uri).log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
 def set_run_status(tracking_uri: str, run_id: str, status: str, tags: dict[str, str] | None = None) -> None:
     """End ``run_id`` as ``status`` (FINISHED, FAILED or KILLED), with ``tags``."""
-    client = MlflowClient(tracking_uri)
     if tags:
-        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-    client.set_terminated(run_id, status)
+        tag_run(tracking_uri, run_id, tags)
+    MlflowClient(tracking_uri).set_terminated(run_id, status)
 
 
 STOPPED_TAG = "pairsim.stopped_by"  # on a run ended KILLED: what stopped it

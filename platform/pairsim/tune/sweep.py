@@ -31,6 +31,7 @@ they are).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -44,7 +45,6 @@ from typing import Annotated
 
 import ray
 from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict, Field
 from ray import tune
 
@@ -112,7 +112,7 @@ def write_state(exp_dir: Path, state: SweepState, tracking_uri: str) -> None:
     """``state`` as the sweep's :data:`STATE_FILE`, atomically, after the digest of its record of
     Tune's state (:func:`state_digest`) as its MLflow parent run's :data:`TUNE_STATE_TAG`. A driver
     stopped between the two leaves them differing: that state is not resumed."""
-    MlflowClient(tracking_uri).set_tag(state.parent_run_id, TUNE_STATE_TAG, state_digest(state.tune_state))
+    tracking.tag_run(tracking_uri, state.parent_run_id, {TUNE_STATE_TAG: state_digest(state.tune_state)})
     Location.of(exp_dir / STATE_FILE).write_text(state.model_dump_json(indent=2))
 
 
@@ -124,8 +124,13 @@ def tune_state_files(exp_dir: Path) -> dict[str, Path]:
 
 def record_tune_state(exp_dir: Path, state: SweepState, tracking_uri: str) -> None:
     """``state`` into :data:`STATE_FILE` (:func:`write_state`) with the SHA-256 of each of Tune's
-    state files as they are now."""
+    state files as they are now, unless the file already records those: the sweep's MLflow run is
+    tagged when Tune's state changed, not every few seconds. (A record rewritten to match is not
+    rewritten here, and its tag then differs: its resume is refused.)"""
     digests = {name: untrusted.sha256(path) for name, path in tune_state_files(exp_dir).items()}
+    with contextlib.suppress(untrusted.UntrustedFileError):
+        if read_state(exp_dir).tune_state == digests:
+            return
     write_state(exp_dir, state.model_copy(update={"tune_state": digests}), tracking_uri)
 
 
@@ -144,14 +149,13 @@ def check_record(exp_dir: Path, state: SweepState, name: str, tracking_uri: str)
     MLflow parent run of sweep ``name`` and that run holds the digest of its record of Tune's
     state (:data:`TUNE_STATE_TAG`): the file lies in the sweep directory, the run does not."""
     record = exp_dir / STATE_FILE
-    try:
-        run = MlflowClient(tracking_uri).get_run(state.parent_run_id)
-    except MlflowException:
+    tags = tracking.run_tags(tracking_uri, state.parent_run_id)
+    if tags is None:
         raise UnvouchedTuneState(f"{record}: its parent run {state.parent_run_id} is not in {masked(tracking_uri)}, "
-                                 "so nothing vouches for its record of Tune's state") from None
-    if run.data.tags.get(tracking.SWEEP_TAG) != name:
+                                 "so nothing vouches for its record of Tune's state")
+    if tags.get(tracking.SWEEP_TAG) != name:
         raise UnvouchedTuneState(f"{record}: its parent run {state.parent_run_id} is not sweep {name!r}'s")
-    held = run.data.tags.get(TUNE_STATE_TAG)
+    held = tags.get(TUNE_STATE_TAG)
     if held != state_digest(state.tune_state):
         raise UnvouchedTuneState(f"{record}: its record of Tune's state " + (
             f"differs from the one the sweep's MLflow run {state.parent_run_id} holds" if held else
@@ -338,13 +342,12 @@ def run_sweep(sweep: Sweep, name: str | None = None, resume: bool = False) -> Sw
         if recorded:  # under the lock: no driver of this sweep is writing Tune's state
             check_record(exp_dir, recorded, name, tracking_uri)
             verify_tune_state(exp_dir, recorded.tune_state)
-        return _run(sweep, name, exp_dir, recorded)
+        return _run(sweep, name, exp_dir, recorded, tracking_uri)
 
 
-def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None) -> SweepResult:
+def _run(sweep: Sweep, name: str, exp_dir: Path, recorded: SweepState | None, tracking_uri: str) -> SweepResult:
     """The sweep under its lock: new, or restored from Tune's state that ``recorded`` vouches for."""
     base, restoring = sweep.base, recorded is not None
-    tracking_uri = tracking.resolve_tracking_uri(base.tracking.tracking_uri)
     cluster.init_ray(base, concurrent_runs=sweep.settings.max_concurrent_trials or 1,
                     log_to_driver=sweep.settings.verbose_trials)
     trials_at_once = concurrency(sweep)
